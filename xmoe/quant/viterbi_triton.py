@@ -1,0 +1,124 @@
+"""The tail-biting Viterbi of viterbi.py as one Triton kernel: one program per tile, integer K.
+
+Per step the program evaluates all 65,536 states in chunks of KB x EB (KB = 2^K choices of the new high
+bits, EB nodes), decoding each codebook value in registers. Path costs (fp32) ping-pong through a small
+per-tile scratch that stays in L2; backpointers are one byte per (step, node).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ..format.codebook import CODEBOOKS
+
+BLOCK = 4096  # candidate states evaluated per chunk
+
+
+@triton.jit
+def codebook_value(s, CB: tl.constexpr):
+    """fp32 value of the fp16 codebook entry of int32 states `s` (CB: 0 3inst, 1 mcg, 2 mul1)."""
+    x = s.to(tl.uint32)
+    if CB == 0:
+        x = x * 89226354 + 64248484
+    elif CB == 1:
+        x = x * 0xCBAC1FED
+    else:
+        x = x * 0x83DCD12D
+    if CB == 2:
+        b = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        v = (b.to(tl.float32) * 0.00676727294921875 - 3.453125).to(tl.float16)
+    else:
+        x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+        lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        v = lo + hi
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _forward(tile, cost, bp, first_q, n_steps, bp_from, K: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr):
+    """Steps q = first_q .. first_q+n_steps-1 over positions q % 256; costs start in slot 0."""
+    NODES: tl.constexpr = 1 << (16 - K)
+    k = tl.arange(0, 1 << K)[:, None]
+    eo = tl.arange(0, EB)
+    for i in range(n_steps):
+        q = first_q + i
+        w = tl.load(tile + q % 256)
+        src = cost + (i % 2) * NODES
+        dst = cost + ((i + 1) % 2) * NODES
+        for e0 in range(0, NODES, EB):
+            s = (k << (16 - K)) | (e0 + eo)[None, :]
+            v = codebook_value(s, CB)
+            c = (v - w) * (v - w) + tl.load(src + (s >> K))
+            best, arg = tl.min(c, axis=0, return_indices=True)
+            tl.store(dst + e0 + eo, best)
+            if i >= bp_from:
+                tl.store(bp + (i - bp_from) * NODES + e0 + eo, arg.to(tl.uint8))
+        tl.debug_barrier()
+
+
+@triton.jit
+def _viterbi_kernel(tiles_ptr, states_ptr, cost_ptr, bp_ptr, K: tl.constexpr, CB: tl.constexpr,
+                    WARMUP: tl.constexpr, EB: tl.constexpr):
+    NODES: tl.constexpr = 1 << (16 - K)
+    t = tl.program_id(0).to(tl.int64)
+    tile = tiles_ptr + t * 256
+    cost = cost_ptr + t * 2 * NODES
+    bp = bp_ptr + t * 256 * NODES
+    eo = tl.arange(0, EB)
+    inf = float("inf")
+
+    # Pass 1: free start WARMUP positions before the wrap; traced back to the node of s_255.
+    for e0 in range(0, NODES, EB):
+        tl.store(cost + e0 + eo, tl.zeros([EB], tl.float32))
+    tl.debug_barrier()
+    _forward(tile, cost, bp, 256 - WARMUP, 2 * WARMUP, WARMUP, K, CB, EB)
+    best_v = tl.full([EB], inf, tl.float32)
+    best_i = tl.zeros([EB], tl.int32)
+    for e0 in range(0, NODES, EB):  # 2*WARMUP steps is even: final costs are in slot 0
+        v = tl.load(cost + e0 + eo)
+        better = v < best_v
+        best_v = tl.where(better, v, best_v)
+        best_i = tl.where(better, e0 + eo, best_i)
+    e = tl.min(tl.where(best_v == tl.min(best_v, axis=0), best_i, NODES), axis=0)
+    for i in range(WARMUP):
+        s = (tl.load(bp + (WARMUP - 1 - i) * NODES + e).to(tl.int32) << (16 - K)) | e
+        e = s >> K
+    tl.debug_barrier()
+
+    # Pass 2: positions 0..255, starting and ending on node e so that the path closes.
+    for e0 in range(0, NODES, EB):
+        tl.store(cost + e0 + eo, tl.where(e0 + eo == e, 0.0, inf))
+    tl.debug_barrier()
+    _forward(tile, cost, bp, 0, 256, 0, K, CB, EB)
+    for i in range(256):
+        q = 255 - i
+        s = (tl.load(bp + q * NODES + e).to(tl.int32) << (16 - K)) | e
+        tl.store(states_ptr + t * 256 + q, s)
+        e = s >> K
+
+
+def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128,
+                   scratch_bytes: int = 4 << 30, block: int = BLOCK) -> torch.Tensor:
+    """tiles: float32 (T, 256) -> int64 states (T, 256); same algorithm as viterbi.viterbi_torch.
+
+    Tiles run in waves whose backpointers fit in `scratch_bytes` (256 bytes per node per tile).
+    `block` is the number of candidate states per chunk (a power of two >= 2^K * 16)."""
+    if not float(K).is_integer() or not 1 <= K <= 8:
+        raise ValueError(f"the Triton Viterbi handles integer K 1..8, not {K}")
+    if tiles.dtype != torch.float32 or tiles.dim() != 2 or tiles.shape[1] != 256:
+        raise ValueError(f"tiles must be float32 (T, 256), got {tiles.dtype} {tuple(tiles.shape)}")
+    if not 1 <= warmup <= 128:
+        raise ValueError(f"warmup must be in 1..128, not {warmup}")
+    K = int(K)
+    nodes = 1 << (16 - K)
+    tiles = tiles.contiguous()
+    states = torch.empty(tiles.shape, dtype=torch.int32, device=tiles.device)
+    wave = max(1, scratch_bytes // (256 * nodes + 8 * nodes))
+    eb = max(16, min(block, 1 << 16) >> K)
+    for a in range(0, tiles.shape[0], wave):
+        b = min(a + wave, tiles.shape[0])
+        cost = torch.empty((b - a, 2, nodes), dtype=torch.float32, device=tiles.device)
+        bp = torch.empty((b - a, 256, nodes), dtype=torch.uint8, device=tiles.device)
+        _viterbi_kernel[(b - a,)](tiles[a:b], states[a:b], cost, bp, K=K, CB=CODEBOOKS.index(codebook),
+                                  WARMUP=warmup, EB=eb, num_warps=8)
+    return states.to(torch.int64)
