@@ -1,16 +1,16 @@
 """The tail-biting Viterbi of viterbi.py as one Triton kernel: one program per tile, integer K.
 
-Per step the program evaluates all 65,536 states in chunks of KB x EB (KB = 2^K choices of the new high
-bits, EB nodes), decoding each codebook value in registers. Path costs (fp32) ping-pong through a small
+Per step the program evaluates all 65,536 states in chunks of EB x KB (EB nodes, KB = 2^K choices of the
+new high bits), decoding each codebook value in registers. Path costs (fp32) ping-pong through a small
 per-tile scratch that stays in L2; backpointers are one byte per (step, node).
 """
 import torch
 import triton
 import triton.language as tl
 
-from ..format.codebook import CODEBOOKS
+from ..format.codebook import CODEBOOKS, codebook_table
 
-BLOCK = 4096  # candidate states evaluated per chunk
+BLOCK = 2048  # candidate states evaluated per chunk
 
 
 @triton.jit
@@ -35,10 +35,11 @@ def codebook_value(s, CB: tl.constexpr):
 
 
 @triton.jit
-def _forward(tile, cost, bp, first_q, n_steps, bp_from, K: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr):
+def _forward(tile, cost, bp, table, first_q, n_steps, bp_from, K: tl.constexpr, CB: tl.constexpr,
+             EB: tl.constexpr, TABLE: tl.constexpr):
     """Steps q = first_q .. first_q+n_steps-1 over positions q % 256; costs start in slot 0."""
     NODES: tl.constexpr = 1 << (16 - K)
-    k = tl.arange(0, 1 << K)[:, None]
+    k = tl.arange(0, 1 << K)[None, :]  # the reduced axis is the fast one: the min stays inside a thread
     eo = tl.arange(0, EB)
     for i in range(n_steps):
         q = first_q + i
@@ -46,10 +47,13 @@ def _forward(tile, cost, bp, first_q, n_steps, bp_from, K: tl.constexpr, CB: tl.
         src = cost + (i % 2) * NODES
         dst = cost + ((i + 1) % 2) * NODES
         for e0 in range(0, NODES, EB):
-            s = (k << (16 - K)) | (e0 + eo)[None, :]
-            v = codebook_value(s, CB)
+            s = (k << (16 - K)) | (e0 + eo)[:, None]
+            if TABLE:  # coalesced: for each k, consecutive nodes are consecutive states
+                v = tl.load(table + s)
+            else:
+                v = codebook_value(s, CB)
             c = (v - w) * (v - w) + tl.load(src + (s >> K))
-            best, arg = tl.min(c, axis=0, return_indices=True)
+            best, arg = tl.min(c, axis=1, return_indices=True)
             tl.store(dst + e0 + eo, best)
             if i >= bp_from:
                 tl.store(bp + (i - bp_from) * NODES + e0 + eo, arg.to(tl.uint8))
@@ -57,8 +61,9 @@ def _forward(tile, cost, bp, first_q, n_steps, bp_from, K: tl.constexpr, CB: tl.
 
 
 @triton.jit
-def _viterbi_kernel(tiles_ptr, states_ptr, cost_ptr, bp_ptr, K: tl.constexpr, CB: tl.constexpr,
-                    WARMUP: tl.constexpr, EB: tl.constexpr):
+def _viterbi_kernel(tiles_ptr, states_ptr, cost_ptr, bp_ptr, table, K: tl.constexpr, CB: tl.constexpr,
+                    WARMUP: tl.constexpr, EB: tl.constexpr, TABLE: tl.constexpr):
+    """One program per tile: pass 1 (free start, traced to the node of s_255), pass 2 (closed), traceback."""
     NODES: tl.constexpr = 1 << (16 - K)
     t = tl.program_id(0).to(tl.int64)
     tile = tiles_ptr + t * 256
@@ -71,7 +76,7 @@ def _viterbi_kernel(tiles_ptr, states_ptr, cost_ptr, bp_ptr, K: tl.constexpr, CB
     for e0 in range(0, NODES, EB):
         tl.store(cost + e0 + eo, tl.zeros([EB], tl.float32))
     tl.debug_barrier()
-    _forward(tile, cost, bp, 256 - WARMUP, 2 * WARMUP, WARMUP, K, CB, EB)
+    _forward(tile, cost, bp, table, 256 - WARMUP, 2 * WARMUP, WARMUP, K, CB, EB, TABLE)
     best_v = tl.full([EB], inf, tl.float32)
     best_i = tl.zeros([EB], tl.int32)
     for e0 in range(0, NODES, EB):  # 2*WARMUP steps is even: final costs are in slot 0
@@ -89,7 +94,7 @@ def _viterbi_kernel(tiles_ptr, states_ptr, cost_ptr, bp_ptr, K: tl.constexpr, CB
     for e0 in range(0, NODES, EB):
         tl.store(cost + e0 + eo, tl.where(e0 + eo == e, 0.0, inf))
     tl.debug_barrier()
-    _forward(tile, cost, bp, 0, 256, 0, K, CB, EB)
+    _forward(tile, cost, bp, table, 0, 256, 0, K, CB, EB, TABLE)
     for i in range(256):
         q = 255 - i
         s = (tl.load(bp + q * NODES + e).to(tl.int32) << (16 - K)) | e
@@ -98,11 +103,12 @@ def _viterbi_kernel(tiles_ptr, states_ptr, cost_ptr, bp_ptr, K: tl.constexpr, CB
 
 
 def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128,
-                   scratch_bytes: int = 4 << 30, block: int = BLOCK) -> torch.Tensor:
+                   scratch_bytes: int = 4 << 30, block: int = BLOCK, num_warps: int = 8, table: bool = False) -> torch.Tensor:
     """tiles: float32 (T, 256) -> int64 states (T, 256); same algorithm as viterbi.viterbi_torch.
 
     Tiles run in waves whose backpointers fit in `scratch_bytes` (256 bytes per node per tile).
-    `block` is the number of candidate states per chunk (a power of two >= 2^K * 16)."""
+    `block` is the number of candidate states per chunk (a power of two >= 2^K * 16). With `table` the
+    codebook is read from a 256 KB fp32 table instead of evaluated in registers."""
     if not float(K).is_integer() or not 1 <= K <= 8:
         raise ValueError(f"the Triton Viterbi handles integer K 1..8, not {K}")
     if tiles.dtype != torch.float32 or tiles.dim() != 2 or tiles.shape[1] != 256:
@@ -113,12 +119,13 @@ def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128
     nodes = 1 << (16 - K)
     tiles = tiles.contiguous()
     states = torch.empty(tiles.shape, dtype=torch.int32, device=tiles.device)
+    values = codebook_table(codebook, tiles.device).float()
     wave = max(1, scratch_bytes // (256 * nodes + 8 * nodes))
     eb = max(16, min(block, 1 << 16) >> K)
     for a in range(0, tiles.shape[0], wave):
         b = min(a + wave, tiles.shape[0])
         cost = torch.empty((b - a, 2, nodes), dtype=torch.float32, device=tiles.device)
         bp = torch.empty((b - a, 256, nodes), dtype=torch.uint8, device=tiles.device)
-        _viterbi_kernel[(b - a,)](tiles[a:b], states[a:b], cost, bp, K=K, CB=CODEBOOKS.index(codebook),
-                                  WARMUP=warmup, EB=eb, num_warps=8)
+        _viterbi_kernel[(b - a,)](tiles[a:b], states[a:b], cost, bp, values, K=K, CB=CODEBOOKS.index(codebook),
+                                  WARMUP=warmup, EB=eb, TABLE=table, num_warps=num_warps)
     return states.to(torch.int64)
