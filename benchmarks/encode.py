@@ -21,8 +21,8 @@ from xmoe.quant import encode_tiles, quantize_linear  # noqa: E402
 from xmoe.quant.viterbi_triton import viterbi_triton  # noqa: E402
 
 FLAGS = {"3inst": (False, False), "mcg": (True, False), "mul1": (False, True)}
-# Triton Viterbi variants timed side by side: codebook evaluated in registers, or read from a table.
-VARIANTS = {"regs": {}, "table": {"table": True}, "table_w4": {"table": True, "num_warps": 4}}
+# Triton Viterbi variants timed side by side (viterbi_triton.TUNED settings, or explicit ones).
+VARIANTS = {"xmoe": {}}
 
 
 def check_decode(ext, dev):

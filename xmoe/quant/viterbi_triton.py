@@ -10,7 +10,10 @@ import triton.language as tl
 
 from ..format.codebook import CODEBOOKS, codebook_table
 
-BLOCK = 2048  # candidate states evaluated per chunk
+# Launch settings per K (candidate states per chunk, warps, codebook from a table or in registers),
+# swept on an H200 over block 1024/2048/4096 x warps 4/8 x table on/off (docs/RESULTS.md).
+TUNED = {2: (1024, 8, False), 3: (2048, 8, True), 4: (2048, 4, True)}
+DEFAULT = (2048, 8, True)
 
 
 @triton.jit
@@ -103,12 +106,13 @@ def _viterbi_kernel(tiles_ptr, states_ptr, cost_ptr, bp_ptr, table, K: tl.conste
 
 
 def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128,
-                   scratch_bytes: int = 4 << 30, block: int = BLOCK, num_warps: int = 8, table: bool = False) -> torch.Tensor:
+                   scratch_bytes: int = 4 << 30, block: int | None = None, num_warps: int | None = None,
+                   table: bool | None = None) -> torch.Tensor:
     """tiles: float32 (T, 256) -> int64 states (T, 256); same algorithm as viterbi.viterbi_torch.
 
     Tiles run in waves whose backpointers fit in `scratch_bytes` (256 bytes per node per tile).
-    `block` is the number of candidate states per chunk (a power of two >= 2^K * 16). With `table` the
-    codebook is read from a 256 KB fp32 table instead of evaluated in registers."""
+    `block` is the number of candidate states per chunk (a power of two). With `table` the codebook is
+    read from a 256 KB fp32 table instead of evaluated in registers. Unset settings come from TUNED."""
     if not float(K).is_integer() or not 1 <= K <= 8:
         raise ValueError(f"the Triton Viterbi handles integer K 1..8, not {K}")
     if tiles.dtype != torch.float32 or tiles.dim() != 2 or tiles.shape[1] != 256:
@@ -116,6 +120,8 @@ def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128
     if not 1 <= warmup <= 128:
         raise ValueError(f"warmup must be in 1..128, not {warmup}")
     K = int(K)
+    tuned = TUNED.get(K, DEFAULT)
+    block, num_warps, table = (tuned[i] if v is None else v for i, v in enumerate((block, num_warps, table)))
     nodes = 1 << (16 - K)
     tiles = tiles.contiguous()
     states = torch.empty(tiles.shape, dtype=torch.int32, device=tiles.device)
