@@ -1,5 +1,6 @@
 """The `xmoe` command. Each subcommand lives with its stage; this file only wires them up."""
 import argparse
+import json
 import logging
 import sys
 
@@ -29,6 +30,48 @@ def _demo(args) -> int:
     return 0
 
 
+def _bits_rule(text: str) -> tuple[str, float]:
+    pattern, _, k = text.rpartition("=")
+    if not pattern:
+        raise argparse.ArgumentTypeError(f"expected PATTERN=K, got {text!r}")
+    return pattern, float(k)
+
+
+def _quantize(args) -> int:
+    import torch
+
+    from .quant.convert import convert
+    from .quant.plan import ConvertOptions
+
+    devices = args.devices.split(",") if args.devices else (
+        [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"])
+    encoder = args.encoder or ("viterbi" if any(d.startswith("cuda") for d in devices) else "beam")
+    opts = ConvertOptions(bits=args.bits, codebook=args.codebook, encoder=encoder, bits_for=tuple(args.bits_for),
+                          keep=tuple(args.keep), experts_regex=args.experts_regex, beam_width=args.beam_width,
+                          seed=args.seed)
+    print(f"quantize {args.src} -> {args.dst}: K={opts.bits:g} {opts.codebook}, encoder {encoder}, "
+          f"devices {','.join(devices)}")
+    report = convert(args.src, args.dst, opts, devices)
+    errs = [t["rel_err"] for t in report["tensors"]]
+    print(f"\n{report['experts']} expert tensors in {report['seconds']:.1f} s; relative error mean "
+          f"{sum(errs) / max(len(errs), 1):.4f}, worst {max(errs, default=0):.4f}")
+    print(f"{'worst tensors':<64} {'K':>4} {'rel_err':>8}")
+    for t in report["tensors"][:5]:
+        print(f"{t['key']:<64} {t['K']:>4g} {t['rel_err']:>8.4f}")
+    print(f"report: {args.dst}/xmoe-quantize-report.json")
+    return 0
+
+
+def _inspect(args) -> int:
+    from .quant.inspect import inspect_dir, print_inspect
+
+    info = inspect_dir(args.dir)
+    print(json.dumps(info, indent=1, default=list) if args.json else "", end="")
+    if not args.json:
+        print_inspect(info)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="xmoe", description="Giant MoE models at ~2 bits per weight (EXL3).")
     p.add_argument("--version", action="version", version=f"xmoe {__version__}")
@@ -42,13 +85,39 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out-features", type=int, default=384)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_demo)
+
+    q = sub.add_parser("quantize", help="re-encode a Hugging Face MoE checkpoint's routed experts as EXL3")
+    q.add_argument("src", help="Hugging Face model directory (safetensors shards, config.json)")
+    q.add_argument("dst", help="output directory (resumes an interrupted run)")
+    q.add_argument("--bits", type=float, default=2, help="K, bits per weight of routed experts (default 2)")
+    q.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1"])
+    q.add_argument("--encoder", choices=["viterbi", "beam"], help="default: viterbi on GPUs, beam on CPU")
+    q.add_argument("--devices", help="comma-separated, e.g. cuda:0,cuda:1 (default: every GPU, else cpu)")
+    q.add_argument("--bits-for", type=_bits_rule, action="append", default=[], metavar="PATTERN=K",
+                   help="K for expert modules whose key matches the regex PATTERN (first rule wins)")
+    q.add_argument("--keep", action="append", default=[], metavar="PATTERN",
+                   help="leave expert modules matching the regex at source precision")
+    q.add_argument("--experts-regex", help="for unknown architectures: regex over tensor names with named "
+                                           "groups layer, expert, proj")
+    q.add_argument("--beam-width", type=int, default=64)
+    q.add_argument("--seed", type=int, default=0)
+    q.set_defaults(func=_quantize)
+
+    i = sub.add_parser("inspect", help="print what a model directory holds")
+    i.add_argument("dir")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_inspect)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:  # bad input: one clear line, not a traceback
+        print(f"xmoe {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,45 @@
+"""`xmoe inspect DIR`: what a model directory holds, by module group."""
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from .plan import read_source
+
+
+def group_of(name: str) -> str:
+    return re.sub(r"\.\d+\.", ".*.", re.sub(r"\.\d+\.", ".*.", name))
+
+
+def inspect_dir(path: str | Path) -> dict:
+    """Summary: quantization_config, size on disk, and per module group its format, K and bytes."""
+    path = Path(path)
+    config, shards = read_source(path)
+    groups = defaultdict(lambda: {"format": set(), "bits": set(), "tensors": 0, "bytes": 0})
+    for infos in shards.values():
+        for t in infos:
+            module, _, suffix = t.name.rpartition(".")
+            g = groups[group_of(module)]
+            g["tensors"] += 1
+            g["bytes"] += t.nbytes
+            if suffix == "trellis":
+                g["format"].add("exl3")
+                g["bits"].add(t.shape[-1] / 16)
+            elif suffix not in ("suh", "svh", "mcg", "mul1", "su", "sv"):
+                g["format"].add(t.dtype)
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return {"path": str(path), "model_type": config.get("model_type"),
+            "quantization_config": config.get("quantization_config"), "bytes_on_disk": size,
+            "groups": {k: {**v, "format": sorted(v["format"]), "bits": sorted(v["bits"])}
+                       for k, v in sorted(groups.items())}}
+
+
+def print_inspect(info: dict) -> None:
+    qc = info["quantization_config"] or {}
+    print(f"{info['path']}: {info['model_type']}, {info['bytes_on_disk'] / 2**30:.3f} GiB on disk")
+    if qc:
+        print("quantization_config:", json.dumps(qc))
+    print(f"{'module group':<60} {'format':<14} {'K':<8} {'tensors':>8} {'MiB':>10}")
+    for name, g in info["groups"].items():
+        bits = ",".join(f"{b:g}" for b in g["bits"]) or "-"
+        print(f"{name:<60} {'/'.join(g['format']):<14} {bits:<8} {g['tensors']:>8} {g['bytes'] / 2**20:>10.2f}")

@@ -1,0 +1,149 @@
+"""What a conversion will write: the source checkpoint's files, its routed experts, and for every output
+shard the ordered list of tensors (EXL3 tensors in place of each quantized expert, the rest unchanged)."""
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..format.codebook import check_codebook
+from ..format.layer import padded
+from ..format.trellis import check_bits
+from .experts import ExpertProj, find_experts
+from .st_io import CheckpointError, TensorInfo, read_header
+
+INDEX = "model.safetensors.index.json"
+SKIP_FILES = (".bin", ".pt", ".pth", ".ckpt", ".safetensors")
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Options of `xmoe quantize`, validated once here."""
+    bits: float = 2
+    codebook: str = "mcg"
+    encoder: str = "viterbi"
+    bits_for: tuple[tuple[str, float], ...] = ()  # (regex over module keys, K); first match wins
+    keep: tuple[str, ...] = ()  # regexes of expert modules left at source precision
+    experts_regex: str | None = None
+    beam_width: int = 64
+    seed: int = 0
+
+    def __post_init__(self):
+        check_bits(self.bits)
+        check_codebook(self.codebook)
+        for pattern, K in self.bits_for:
+            check_bits(K)
+            if K != int(K) and self.codebook != "mul1":
+                raise ValueError(f"--bits-for {pattern}={K}: half-integer K needs --codebook mul1")
+            re.compile(pattern)
+        for pattern in self.keep:
+            re.compile(pattern)
+        if self.bits != int(self.bits) and self.codebook != "mul1":
+            raise ValueError(f"--bits {self.bits}: half-integer K needs --codebook mul1")
+
+    def bits_of(self, key: str) -> float:
+        return next((K for pattern, K in self.bits_for if re.search(pattern, key)), self.bits)
+
+    def kept(self, key: str) -> bool:
+        return any(re.search(pattern, key) for pattern in self.keep)
+
+
+@dataclass
+class Plan:
+    src: Path
+    config: dict
+    shards: dict[str, list[TensorInfo]]  # shard file name -> tensors in storage order
+    experts: list[ExpertProj]  # the ones to quantize
+    bits: dict[str, float] = field(default_factory=dict)  # expert key -> K
+    shapes: dict[str, tuple[int, int]] = field(default_factory=dict)  # expert key -> (out, in)
+
+    def fingerprint(self, options: ConvertOptions) -> str:
+        """Identifies the source files (names, sizes, headers) and the options; a resumed run must match."""
+        h = hashlib.sha256(json.dumps(options.__dict__, sort_keys=True, default=str).encode())
+        for name, infos in sorted(self.shards.items()):
+            h.update(name.encode())
+            for t in infos:
+                h.update(f"{t.name}:{t.dtype}:{t.shape}:{t.start}:{t.nbytes}".encode())
+        return h.hexdigest()
+
+
+def read_source(src: Path) -> tuple[dict, dict[str, list[TensorInfo]]]:
+    """config.json and the tensors of every shard, cross-checked against the index."""
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{src}: no config.json (is this a Hugging Face model directory?)")
+    config = json.loads(cfg_path.read_text())
+    if (src / INDEX).is_file():
+        weight_map = json.loads((src / INDEX).read_text()).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+    elif (src / "model.safetensors").is_file():
+        weight_map, files = None, ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{src}: neither {INDEX} nor model.safetensors")
+    shards = {}
+    for name in files:
+        if not (src / name).is_file():
+            raise CheckpointError(f"{src / INDEX}: names shard {name}, which does not exist")
+        shards[name] = read_header(src / name)[0]
+    if weight_map is not None:
+        present = {t.name: shard for shard, infos in shards.items() for t in infos}
+        for tensor, shard in sorted(weight_map.items()):
+            if present.get(tensor) != shard:
+                raise CheckpointError(f"{src / INDEX}: tensor {tensor} is not in {shard}")
+    return config, shards
+
+
+def _logical_shape(p: ExpertProj, info: TensorInfo, scale: TensorInfo | None) -> tuple[int, int]:
+    shape = info.shape[1:] if p.rows is not None else info.shape
+    if len(shape) != 2:
+        raise CheckpointError(f"{p.source}: expert weight must be 2-D, got shape {info.shape}")
+    out, inp = (p.rows[1] - p.rows[0], shape[1]) if p.rows else shape
+    packed_fp4 = info.dtype in ("U8", "I8") and scale is not None
+    return out, inp * 2 if packed_fp4 else inp
+
+
+def make_plan(src: Path, options: ConvertOptions) -> Plan:
+    config, shards = read_source(src)
+    infos = {t.name: t for ts in shards.values() for t in ts}
+    experts = find_experts(config, {n: t.shape for n, t in infos.items()}, options.experts_regex)
+    kept = {p.source for p in experts if options.kept(p.key)}
+    for p in experts:
+        if p.source in kept and not options.kept(p.key):
+            raise ValueError(f"--keep matches only some experts of the fused tensor {p.source}")
+    plan = Plan(src, config, shards, [p for p in experts if p.source not in kept])
+    groups: dict[tuple, set] = {}
+    for p in plan.experts:
+        plan.bits[p.key] = options.bits_of(p.key)
+        plan.shapes[p.key] = _logical_shape(p, infos[p.source], infos.get(p.scale) if p.scale else None)
+        groups.setdefault((p.layer, p.role), set()).add(plan.shapes[p.key])
+    for (layer, role), shapes in groups.items():
+        if len(shapes) > 1:
+            raise CheckpointError(f"layer {layer}: {role} experts have differing shapes {sorted(shapes)}")
+    return plan
+
+
+def exl3_entries(key: str, shape: tuple[int, int], K: float, codebook: str) -> list[tuple[str, str, tuple]]:
+    """Header entries of one quantized projection, known before it is encoded."""
+    k, n = padded(shape[1]), padded(shape[0])
+    entries = [(f"{key}.suh", "F16", (k,)), (f"{key}.svh", "F16", (n,)),
+               (f"{key}.trellis", "I16", (k // 16, n // 16, int(16 * K)))]
+    return entries + ([(f"{key}.{codebook}", "I32", ())] if codebook != "3inst" else [])
+
+
+def shard_layout(plan: Plan, codebook: str) -> dict[str, list]:
+    """Per output shard: ("copy", TensorInfo) and ("exl3", key, entries) items in source order."""
+    by_source: dict[str, list[ExpertProj]] = {}
+    for p in plan.experts:
+        by_source.setdefault(p.source, []).append(p)
+    dropped = {p.scale for p in plan.experts if p.scale}
+    layout = {}
+    for shard, infos in plan.shards.items():
+        items = []
+        for t in infos:
+            if t.name in by_source:
+                items += [("exl3", p.key, exl3_entries(p.key, plan.shapes[p.key], plan.bits[p.key], codebook))
+                          for p in sorted(by_source[t.name], key=lambda p: (p.expert, p.role))]
+            elif t.name not in dropped:
+                items.append(("copy", t))
+        layout[shard] = items
+    return layout
