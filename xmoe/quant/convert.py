@@ -65,11 +65,12 @@ def quantize_part(src: Path, shard: str, p: ExpertProj, K: float, opts: ConvertO
 _device = None
 
 
-def _init_worker(devices):
+def _init_worker(devices, threads):
     global _device
     _device = devices.get()
     if _device.startswith("cuda"):
         torch.cuda.set_device(_device)
+    torch.set_num_threads(threads)  # CPU workers share the cores instead of oversubscribing them
 
 
 def _run_in_worker(*args):
@@ -99,7 +100,9 @@ def run_jobs(plan: Plan, opts: ConvertOptions, devices: list[str], parts: Path, 
         queue = ctx.Manager().Queue()
         for d in devices:
             queue.put(d)
-        with ProcessPoolExecutor(len(devices), mp_context=ctx, initializer=_init_worker, initargs=(queue,)) as pool:
+        threads = max(1, (os.cpu_count() or 1) // len(devices))
+        with ProcessPoolExecutor(len(devices), mp_context=ctx, initializer=_init_worker,
+                                 initargs=(queue, threads)) as pool:
             futures = [pool.submit(_run_in_worker, *job, parts / f"{job[2].key}.safetensors") for job in jobs]
             for fut in as_completed(futures):
                 finished(fut.result())

@@ -38,14 +38,15 @@ def _nmse(tiles: torch.Tensor, g: float, encode) -> float:
     return float(((values / g - tiles) ** 2).sum() / (tiles ** 2).sum())
 
 
-def search_scale(tiles: torch.Tensor, encode, search: ScaleSearch, gen: torch.Generator) -> float:
-    """Factor g minimising the encoder's relative error on a fixed random sample of tiles."""
+def search_scale(tiles: torch.Tensor, encode, search: ScaleSearch, gen: torch.Generator, g0: float = 1.0) -> float:
+    """Factor g (searched as multiples of g0) minimising the encoder's relative error on a fixed sample."""
     idx = torch.randperm(tiles.shape[0], generator=gen)[: search.sample_tiles].to(tiles.device)
     sample = tiles[idx]
-    errs = [_nmse(sample, g, encode) for g in search.grid]
+    grid = [g0 * g for g in search.grid]
+    errs = [_nmse(sample, g, encode) for g in grid]
     i = min(range(len(errs)), key=errs.__getitem__)
     if 0 < i < len(errs) - 1:  # vertex of the parabola through the best point and its neighbours
-        (x0, x1, x2), (y0, y1, y2) = search.grid[i - 1:i + 2], errs[i - 1:i + 2]
+        (x0, x1, x2), (y0, y1, y2) = grid[i - 1:i + 2], errs[i - 1:i + 2]
         den = (x0 - x1) * (x0 - x2) * (x1 - x2)
         a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / den
         b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / den
@@ -53,7 +54,7 @@ def search_scale(tiles: torch.Tensor, encode, search: ScaleSearch, gen: torch.Ge
             g = min(max(-b / (2 * a), x0), x2)
             if _nmse(sample, g, encode) < errs[i]:
                 return g
-    return search.grid[i]
+    return grid[i]
 
 
 def refit_scales(w: torch.Tensor, a: torch.Tensor, su: torch.Tensor, sv: torch.Tensor, iters: int = 4):
@@ -98,7 +99,8 @@ def quantize_linear(weight: torch.Tensor, K: float, codebook: str, encoder: str 
         return encode_tiles(t, K, codebook, encoder, backend=backend, beam_width=beam_width)
 
     tiles = matrix_to_tiles(w4)
-    g = search_scale(tiles, encode, search, gen)
+    # Rows padded with zeros dilute each 128-block after the Hadamard: start the search at the codebook std.
+    g = search_scale(tiles, encode, search, gen, g0=std / float(w4.pow(2).mean().sqrt().clamp_min(1e-30)))
     values, states = encode(tiles * g)
     su = su / g
     sv = torch.where(col > 0, sv, 0.0)

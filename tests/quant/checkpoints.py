@@ -1,0 +1,122 @@
+"""Tiny checkpoints for the converter tests, built offline: from transformers configs (random weights,
+Hugging Face key names, several shards) or written by hand (DeepSeek native names, FP8, MXFP4, fused)."""
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+
+
+def hf_config(arch: str):
+    import transformers as tf
+    if arch == "mixtral":
+        return tf.MixtralConfig(**BASE, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**BASE, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                 num_experts_per_tok=2, head_dim=16)
+    if arch == "olmoe":
+        return tf.OlmoeConfig(**BASE, intermediate_size=32, num_experts=4, num_experts_per_tok=2, eos_token_id=1,
+                              pad_token_id=0)
+    if arch == "deepseek_v3":
+        return tf.DeepseekV3Config(**BASE, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
+                                   num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                   q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                   v_head_dim=8)
+    raise ValueError(arch)
+
+
+def save_hf(arch: str, path: Path, seed: int = 0) -> Path:
+    """A random model of `arch` saved by transformers in several shards, plus a tokenizer-like file."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(arch)).to(torch.bfloat16)
+    model.save_pretrained(path, max_shard_size="40KB")
+    (path / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')
+    return path
+
+
+def _e8m0(x: torch.Tensor) -> torch.Tensor:
+    return (torch.log2(x).round() + 127).to(torch.uint8)
+
+
+def fp8_with_scale(w: torch.Tensor, block: int, e8m0: bool = False) -> dict:
+    """Block-scaled FP8 e4m3 as DeepSeek stores it: weight and a per-block multiplier."""
+    out, inp = w.shape
+    s = w.abs().reshape(out // block, block, inp // block, block).amax((1, 3)) / 448
+    if e8m0:
+        s = torch.exp2(torch.log2(s).ceil())
+    q = (w / s.repeat_interleave(block, 0).repeat_interleave(block, 1)).to(torch.float8_e4m3fn)
+    return {"weight": q, "scale": _e8m0(s) if e8m0 else s.float()}
+
+
+def mxfp4(w: torch.Tensor) -> dict:
+    """MXFP4: e2m1 codes (first value in the low nibble) and one e8m0 scale per 32 inputs."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    out, inp = w.shape
+    s = torch.exp2(torch.log2(w.abs().reshape(out, inp // 32, 32).amax(-1) / 6).ceil())
+    x = w / s.repeat_interleave(32, 1)
+    idx = (x.abs()[..., None] - grid).abs().argmin(-1) + 8 * (x < 0)
+    packed = (idx[:, 0::2] | (idx[:, 1::2] << 4)).to(torch.uint8)
+    return {"weight": packed, "scale": _e8m0(s)}
+
+
+def save_deepseek_native(path: Path, seed: int = 0) -> Path:
+    """DeepSeek-V4.1 style: native names, MXFP4 routed experts, FP8 32x32 attention, an Engram table, a
+    shared expert, a DSpark/MTP block (`mtp.0`) and an MTP layer at index num_hidden_layers."""
+    g = torch.Generator().manual_seed(seed)
+    H, I, E = 64, 64, 4
+    rnd = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
+    shards = [{}, {}]
+    for layer in range(3):  # layer 2 == num_hidden_layers: an MTP layer, left alone
+        t = shards[min(layer, 1)]
+        for name, w in (("wq", rnd(H, H)), ("wo", rnd(H, H))):
+            for k, v in fp8_with_scale(w, 32).items():
+                t[f"layers.{layer}.attn.{name}.{k}"] = v
+        t[f"layers.{layer}.ffn.gate.weight"] = rnd(E, H).to(torch.bfloat16)
+        t[f"layers.{layer}.ffn.gate.bias"] = rnd(E).float()
+        for e in range(E):
+            for proj, shape in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+                for k, v in mxfp4(rnd(*shape)).items():
+                    t[f"layers.{layer}.ffn.experts.{e}.{proj}.{k}"] = v
+        for proj, shape in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+            t[f"layers.{layer}.ffn.shared_experts.{proj}.weight"] = rnd(*shape).to(torch.bfloat16)
+        t[f"layers.{layer}.attn_norm.weight"] = torch.ones(H)
+    shards[0]["layers.1.engram.table"] = rnd(256, 32).to(torch.float8_e4m3fn)
+    shards[0]["layers.1.engram.table_scale"] = torch.ones(256)
+    shards[1]["mtp.0.ffn.experts.0.w1.weight"] = rnd(I, H).to(torch.bfloat16)
+    shards[1]["embed.weight"] = rnd(128, H).to(torch.bfloat16)
+    return _write(path, shards, {
+        "model_type": "deepseek_v4", "num_hidden_layers": 2, "n_routed_experts": E, "hidden_size": H,
+        "moe_intermediate_size": I, "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}})
+
+
+def save_fused_qwen3(path: Path, seed: int = 0) -> Path:
+    """Qwen3-MoE with fused experts: gate_up_proj (E, 2I, H), down_proj (E, H, I), FP8 128x128 attention."""
+    g = torch.Generator().manual_seed(seed)
+    H, I, E = 64, 32, 4
+    rnd = lambda *s: torch.randn(*s, generator=g) * 0.05  # noqa: E731
+    t = {"model.embed_tokens.weight": rnd(128, H).to(torch.bfloat16)}
+    for layer in range(2):
+        p = f"model.layers.{layer}"
+        t[f"{p}.mlp.experts.gate_up_proj"] = rnd(E, 2 * I, H).to(torch.bfloat16)
+        t[f"{p}.mlp.experts.down_proj"] = rnd(E, H, I).to(torch.bfloat16)
+        t[f"{p}.mlp.gate.weight"] = rnd(E, H).to(torch.bfloat16)
+        for k, v in fp8_with_scale(rnd(128, 128), 128).items():
+            t[f"{p}.self_attn.q_proj.{'weight' if k == 'weight' else 'weight_scale_inv'}"] = v
+    return _write(path, [t], {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": E,
+                              "hidden_size": H, "moe_intermediate_size": I})
+
+
+def _write(path: Path, shards: list[dict], config: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for i, tensors in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text('{"version": "1.0"}')
+    return path
