@@ -51,7 +51,7 @@ def _quantize(args) -> int:
                           seed=args.seed)
     print(f"quantize {args.src} -> {args.dst}: K={opts.bits:g} {opts.codebook}, encoder {encoder}, "
           f"devices {','.join(devices)}")
-    report = convert(args.src, args.dst, opts, devices)
+    report = convert(args.src, args.dst, opts, devices, args.ray)
     errs = [t["rel_err"] for t in report["tensors"]]
     print(f"\n{report['experts']} expert tensors in {report['seconds']:.1f} s; relative error mean "
           f"{sum(errs) / max(len(errs), 1):.4f}, worst {max(errs, default=0):.4f}")
@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave expert modules matching the regex at source precision")
     q.add_argument("--experts-regex", help="for unknown architectures: regex over tensor names with named "
                                            "groups layer, expert, proj")
+    q.add_argument("--ray", metavar="ADDRESS", help="run expert jobs on a Ray cluster ('local' starts one; "
+                                                   "needs the ray extra and SRC/DST on a shared filesystem)")
     q.add_argument("--beam-width", type=int, default=64)
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(func=_quantize)

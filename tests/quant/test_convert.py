@@ -176,3 +176,15 @@ def test_bounded_memory(tmp_path):
     base_mib = int(base.stdout) / 1024
     assert (tmp_path / "dst" / "big.safetensors").stat().st_size > 768 << 20
     assert peak_mib - base_mib < 200, (peak_mib, base_mib)
+
+
+def test_local_ray_cluster_matches_single_process(tmp_path):
+    pytest.importorskip("ray")
+    import ray
+    src = save_hf("olmoe", tmp_path / "src")
+    convert(src, tmp_path / "one", BEAM, ["cpu"])
+    try:
+        convert(src, tmp_path / "ray", BEAM, ["cpu"], ray_address="local")
+    finally:
+        ray.shutdown()
+    assert model_files(tmp_path / "one") == model_files(tmp_path / "ray")

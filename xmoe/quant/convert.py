@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
@@ -77,7 +78,26 @@ def _run_in_worker(*args):
     return quantize_part(*args[:5], _device, args[5])
 
 
-def run_jobs(plan: Plan, opts: ConvertOptions, devices: list[str], parts: Path, log: list) -> None:
+def _ray_part(*args):
+    """A Ray task: quantize one projection on the GPU Ray assigned to it, else on the CPU."""
+    return quantize_part(*args[:5], "cuda" if torch.cuda.is_available() else "cpu", args[5])
+
+
+def run_ray(jobs: list, parts: Path, address: str, gpus: bool, finished) -> None:
+    """Spread jobs over a Ray cluster (every node must see SRC and DST at the same paths)."""
+    import ray
+
+    ray.init(address=None if address == "local" else address, ignore_reinit_error=True,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(sys.path)}} if address == "local" else None)
+    task = ray.remote(num_gpus=1 if gpus else 0, num_cpus=1)(_ray_part)
+    pending = [task.remote(*job, parts / f"{job[2].key}.safetensors") for job in jobs]
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        finished(ray.get(ready[0]))
+
+
+def run_jobs(plan: Plan, opts: ConvertOptions, devices: list[str], parts: Path, log: list,
+             ray_address: str | None = None) -> None:
     shard_of = {t.name: s for s, ts in plan.shards.items() for t in ts}
     todo = [p for p in plan.experts if not (parts / f"{p.key}.safetensors").exists()]
     done_before = len(plan.experts) - len(todo)
@@ -92,7 +112,9 @@ def run_jobs(plan: Plan, opts: ConvertOptions, devices: list[str], parts: Path, 
         bar.update()
 
     jobs = [(plan.src, shard_of[p.source], p, plan.bits[p.key], opts) for p in todo]
-    if len(devices) == 1:
+    if ray_address:
+        run_ray(jobs, parts, ray_address, any(d.startswith("cuda") for d in devices), finished)
+    elif len(devices) == 1:
         for job in jobs:
             finished(quantize_part(*job, devices[0], parts / f"{job[2].key}.safetensors"))
     else:
@@ -158,8 +180,10 @@ def _atomic_copy(src: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
-def convert(src: str | os.PathLike, dst: str | os.PathLike, opts: ConvertOptions, devices: list[str]) -> dict:
-    """Run (or resume) a conversion; returns the report."""
+def convert(src: str | os.PathLike, dst: str | os.PathLike, opts: ConvertOptions, devices: list[str],
+            ray_address: str | None = None) -> dict:
+    """Run (or resume) a conversion; returns the report. With `ray_address` ("local" starts a local
+    cluster) the expert jobs run as Ray tasks, one GPU each where `devices` are GPUs."""
     src, dst = Path(src), Path(dst)
     if (dst / "config.json").exists():
         raise CheckpointError(f"{dst}: already holds a finished model (config.json); choose another DST")
@@ -173,7 +197,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, opts: ConvertOptions
                               f"remove {work} or choose another DST")
     _atomic_write(stamp, {"fingerprint": fingerprint, "options": asdict(opts)})
     log: list = []
-    run_jobs(plan, opts, devices, parts, log)
+    run_jobs(plan, opts, devices, parts, log, ray_address)
     layout = shard_layout(plan, opts.codebook)
     for shard, items in tqdm(layout.items(), desc="write shards", unit="shard", dynamic_ncols=True):
         if not (dst / shard).exists():
