@@ -38,27 +38,29 @@ def expert_seed(key: str, seed: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:4], "little")
 
 
-def load_expert(src: Path, shard: str, p: ExpertProj) -> torch.Tensor:
-    """fp32 (out, in) weight of one expert projection, reading only its own bytes."""
+def load_expert(src: Path, shard: str, p: ExpertProj, stored: list | None = None) -> torch.Tensor:
+    """fp32 (out, in) weight of one expert projection, reading only its own bytes (counted in `stored`)."""
     with safe_open(str(src / shard), framework="pt") as f:
         if p.rows is not None:
             weight = f.get_slice(p.source)[p.expert, p.rows[0]:p.rows[1]]
         else:
             weight = f.get_tensor(p.source)
         scale = f.get_tensor(p.scale) if p.scale else None
+    if stored is not None:
+        stored.append(sum(t.numel() * t.element_size() for t in (weight, scale) if t is not None))
     return dequantize(weight, scale, p.source)
 
 
 def quantize_part(src: Path, shard: str, p: ExpertProj, K: float, opts: ConvertOptions, device: str,
                   part: Path) -> dict:
     """Quantize one projection to `part`; returns its report entry."""
-    t0 = time.perf_counter()
-    w = load_expert(src, shard, p).to(device)
+    t0, stored = time.perf_counter(), []
+    w = load_expert(src, shard, p, stored).to(device)
     t = quantize_linear(w, K, opts.codebook, opts.encoder, seed=expert_seed(p.key, opts.seed),
                         beam_width=opts.beam_width)
     w_hat = decode_weight({k: v.to(device) for k, v in t.items()})[: w.shape[1], : w.shape[0]].T
     err = float((w_hat - w).pow(2).sum() / w.pow(2).sum().clamp_min(1e-30))
-    entry = {"key": p.key, "K": K, "rel_err": err, "seconds": time.perf_counter() - t0, "bytes_in": w.numel() * 2}
+    entry = {"key": p.key, "K": K, "rel_err": err, "seconds": time.perf_counter() - t0, "bytes_in": stored[0]}
     save_layers(part, {p.key: t}, metadata={"rel_err": repr(err)})
     return entry
 
@@ -108,7 +110,7 @@ def run_jobs(plan: Plan, opts: ConvertOptions, devices: list[str], parts: Path, 
         nonlocal nbytes
         log.append(entry)
         nbytes += entry["bytes_in"]
-        bar.set_postfix_str(f"{nbytes / 1e9 / (time.perf_counter() - t0):.3f} GB/s")
+        bar.set_postfix_str(f"{nbytes / 1e6 / (time.perf_counter() - t0):.1f} MB/s of source weights")
         bar.update()
 
     jobs = [(plan.src, shard_of[p.source], p, plan.bits[p.key], opts) for p in todo]
