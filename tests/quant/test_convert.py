@@ -188,3 +188,15 @@ def test_local_ray_cluster_matches_single_process(tmp_path):
     finally:
         ray.shutdown()
     assert model_files(tmp_path / "one") == model_files(tmp_path / "ray")
+
+
+def test_inspect(tmp_path, capsys):
+    from xmoe.cli import main
+    src = save_deepseek_native(tmp_path / "src")
+    convert(src, tmp_path / "dst", BEAM, ["cpu"])
+    assert main(["inspect", str(tmp_path / "dst")]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("layers.*.ffn.experts.*.w1 "))
+    # layers 0-1 quantized (4 tensors each: suh, svh, trellis, mcg); layer 2 is an MTP layer kept in MXFP4
+    assert row.split()[1:4] == ["U8/exl3", "2", str(2 * 4 * 4 + 4 * 2)]
+    assert "layers.*.engram " in out and "F8_E4M3" in out and '"quant_method": "exl3"' in out
