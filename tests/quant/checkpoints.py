@@ -9,29 +9,36 @@ from safetensors.torch import save_file
 BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 
 
-def hf_config(arch: str):
+# vLLM's CPU attention needs head_dim >= 32: the serving tests use this larger base.
+SERVE_BASE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  vocab_size=256, initializer_range=0.2)  # peaked logits: no near-ties in greedy checks
+
+
+def hf_config(arch: str, base: dict = BASE):
     import transformers as tf
+    if arch == "llama":
+        return tf.LlamaConfig(**base, intermediate_size=192, head_dim=base["hidden_size"] // base["num_attention_heads"])
     if arch == "mixtral":
-        return tf.MixtralConfig(**BASE, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)
+        return tf.MixtralConfig(**base, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)
     if arch == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**BASE, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
-                                 num_experts_per_tok=2, head_dim=16)
+        return tf.Qwen3MoeConfig(**base, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                 num_experts_per_tok=2, head_dim=base["hidden_size"] // base["num_attention_heads"])
     if arch == "olmoe":
-        return tf.OlmoeConfig(**BASE, intermediate_size=32, num_experts=4, num_experts_per_tok=2, eos_token_id=1,
+        return tf.OlmoeConfig(**base, intermediate_size=32, num_experts=4, num_experts_per_tok=2, eos_token_id=1,
                               pad_token_id=0)
     if arch == "deepseek_v3":
-        return tf.DeepseekV3Config(**BASE, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
+        return tf.DeepseekV3Config(**base, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
                                    num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
                                    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                    v_head_dim=8)
     raise ValueError(arch)
 
 
-def save_hf(arch: str, path: Path, seed: int = 0) -> Path:
+def save_hf(arch: str, path: Path, seed: int = 0, base: dict = BASE) -> Path:
     """A random model of `arch` saved by transformers in several shards, plus a tokenizer-like file."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch)).to(torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, base)).to(torch.bfloat16)
     model.save_pretrained(path, max_shard_size="40KB")
     (path / "tokenizer_config.json").write_text('{"model_max_length": 128}\n')
     return path
@@ -120,3 +127,39 @@ def _write(path: Path, shards: list[dict], config: dict) -> Path:
     (path / "config.json").write_text(json.dumps(config))
     (path / "tokenizer.json").write_text('{"version": "1.0"}')
     return path
+
+
+def save_word_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer whose token i is the word `t<i>`, so prompts and outputs read as token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(cleanup=False)  # tokens joined by spaces
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "bos_token": "t1", "eos_token": "t2",
+        "model_max_length": 128, "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}))
+
+
+def save_exl3_dense(src: Path, dst: Path, K: float = 4) -> Path:
+    """Every linear projection of a dense model as EXL3 (as exllamav3 packs dense models), the rest as is."""
+    from safetensors.torch import load_file
+
+    from xmoe.format import QuantConfig
+    from xmoe.quant import quantize_linear
+    dst.mkdir(parents=True)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    out = {}
+    for name, t in sorted(tensors.items()):
+        if name.endswith("_proj.weight"):
+            key = name.removesuffix(".weight")
+            out.update({f"{key}.{s}": v for s, v in quantize_linear(t.float(), K, "mcg", "beam", seed=len(out)).items()})
+        else:
+            out[name] = t
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = QuantConfig(bits=K, codebook="mcg", version="test").to_dict()
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst

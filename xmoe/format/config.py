@@ -30,7 +30,8 @@ class QuantConfig:
                 raise ValueError(f"quantization_config.layer_bits[{pattern!r}]: {e}") from None
 
     def to_dict(self) -> dict:
-        d = {"quant_method": QUANT_METHOD, **asdict(self)}
+        # "producer" is an object {name, version}, the shape vLLM's config reader expects.
+        d = {"quant_method": QUANT_METHOD, **asdict(self), "producer": {"name": self.producer, "version": self.version}}
         return {k: v for k, v in d.items() if v not in (None, {})}
 
     @classmethod
@@ -41,6 +42,8 @@ class QuantConfig:
         # exllamav3 packs carry fields of their own (calibration, mtp_bits...); they are kept by the
         # caller in config.json and not needed to load, since each tensor describes itself.
         kwargs = {k: v for k, v in d.items() if k in known}
+        if isinstance(kwargs.get("producer"), dict):
+            kwargs["producer"] = kwargs["producer"].get("name", "unknown")
         kwargs.setdefault("codebook", "3inst")  # very old packs predate the codebook field
         kwargs.setdefault("version", "unknown")
         kwargs.setdefault("producer", "exllamav3")

@@ -1,0 +1,54 @@
+"""Reference greedy decoding with transformers on the weights an EXL3 checkpoint decodes to."""
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from xmoe.format import decode_weight
+
+EXPERT = ".experts."
+
+
+def exl3_tensors(dst: Path) -> dict[str, dict]:
+    index = dst / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else ["model.safetensors"]
+    layers: dict[str, dict] = {}
+    for name in files:
+        with safe_open(str(dst / name), framework="pt") as f:
+            for k in f.keys():
+                key, _, suffix = k.rpartition(".")
+                if suffix in ("trellis", "suh", "svh", "mcg", "mul1"):
+                    layers.setdefault(key, {})[suffix] = f.get_tensor(k)
+    return layers
+
+
+def set_decoded(model, key: str, w: torch.Tensor) -> None:
+    """Write a decoded (in, out) weight into the transformers module that `key` names."""
+    if EXPERT not in key:
+        lin = model.get_submodule(key)
+        lin.weight.data = w[: lin.in_features, : lin.out_features].T.contiguous()
+        return
+    base, _, rest = key.partition(EXPERT)
+    expert, proj = rest.split(".")
+    experts = model.get_submodule(base + ".experts")
+    e = int(expert)
+    if proj in ("down_proj", "w2"):
+        experts.down_proj.data[e] = w[: experts.down_proj.shape[2], : experts.down_proj.shape[1]].T
+    else:
+        inter = experts.gate_up_proj.shape[1] // 2
+        rows = slice(0, inter) if proj in ("gate_proj", "w1") else slice(inter, 2 * inter)
+        experts.gate_up_proj.data[e, rows] = w[: experts.gate_up_proj.shape[2], :inter].T
+
+
+def reference_tokens(src: Path, dst: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    for key, t in exl3_tensors(dst).items():
+        set_decoded(model, key, decode_weight(t))
+    out = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out

@@ -1,0 +1,17 @@
+"""The vLLM plugin: registers the `exl3` quantization method (entry point `vllm.general_plugins`).
+
+vLLM runs the hook in every one of its processes, so registration is idempotent.
+"""
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from .config import Exl3Config
+
+    register_quantization_config("exl3")(Exl3Config)
+    _registered = True

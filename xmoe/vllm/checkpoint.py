@@ -1,0 +1,27 @@
+"""Which modules of a checkpoint hold EXL3 tensors: read once from the safetensors headers."""
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+
+MARKERS = ("mcg", "mul1")
+
+
+def exl3_modules(model_dir: str) -> dict[str, frozenset]:
+    """{module key: its EXL3 suffixes} for every module that has a `.trellis` tensor."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ValueError(f"exl3: {model_dir!r} is not a local model directory; download it first")
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else [p.name for p in path.glob("*.safetensors")]
+    names = set()
+    for f in files:
+        with safe_open(str(path / f), framework="pt") as fh:  # reads the header only
+            names.update(fh.keys())
+    modules: dict[str, set] = {}
+    for name in names:
+        key, _, suffix = name.rpartition(".")
+        if suffix in ("trellis", "suh", "svh", "su", "sv") + MARKERS:
+            modules.setdefault(key, set()).add(suffix)
+    return {k: frozenset(v) for k, v in modules.items() if "trellis" in v}

@@ -1,0 +1,73 @@
+"""`Exl3Config`: vLLM's quantization config for EXL3 checkpoints.
+
+Per module it picks the EXL3 method where the checkpoint holds EXL3 tensors for that module and vLLM's
+unquantized path elsewhere (FP8 and other source-precision tensors keep their own handling only when the
+checkpoint's original quantization is not in play: see get_quant_method).
+"""
+import torch
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+from ..format.config import QuantConfig
+from .checkpoint import exl3_modules
+
+
+class Exl3Config(QuantizationConfig):
+    def __init__(self, qconfig: QuantConfig):
+        super().__init__()
+        self.qconfig = qconfig
+        self.modules: dict[str, frozenset] | None = None  # filled by maybe_update_config
+
+    def __repr__(self) -> str:
+        return f"Exl3Config({self.qconfig})"
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "exl3"
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80  # the Triton kernels use Ampere+ tensor-core paths; CPUs skip this check
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict) -> "Exl3Config":
+        return cls(QuantConfig.from_dict(config))
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
+        self.modules = exl3_modules(model_name)
+
+    def _suffixes(self, prefix: str) -> list[frozenset | None]:
+        """EXL3 suffix sets of the checkpoint modules behind a vLLM prefix (a fused layer has several)."""
+        if self.modules is None:
+            raise RuntimeError("exl3: checkpoint not scanned (maybe_update_config was not called)")
+        parent, _, name = prefix.rpartition(".")
+        parts = self.packed_modules_mapping.get(name, [name])
+        return [self.modules.get(f"{parent}.{p}" if parent else p) for p in parts]
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from .linear import Exl3LinearMethod
+        from .moe import Exl3MoEMethod
+
+        if isinstance(layer, RoutedExperts):
+            quantized = any(k.startswith(prefix + ".") for k in self.modules or {})
+            return Exl3MoEMethod(layer.moe_config, self, prefix) if quantized \
+                else UnquantizedFusedMoEMethod(layer.moe_config)
+        if isinstance(layer, LinearBase):
+            found = self._suffixes(prefix)
+            if all(s is None for s in found):
+                return UnquantizedLinearMethod()
+            if any(s is None for s in found) or len(set(found)) > 1:
+                raise ValueError(f"exl3: {prefix} fuses modules of which only some are EXL3 or whose EXL3 "
+                                 f"tensors differ ({found}); this is not supported")
+            return Exl3LinearMethod(found[0])
+        return None

@@ -1,0 +1,77 @@
+"""EXL3 routed experts in vLLM. Per-expert EXL3 tensors are collected as vLLM loads them, then decoded to
+the compute dtype once loading ends (the CPU path: memory of a dense model, the routed experts included),
+and the experts run as a plain torch loop over the experts that tokens were routed to."""
+import torch
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.utils import set_weight_attrs
+
+from ..format.layer import decode_weight
+
+SHARD = {"w1": "gate", "w3": "up", "w2": "down"}
+
+
+def collector(layer: torch.nn.Module, store: str, suffix: str) -> torch.nn.Parameter:
+    """An empty parameter whose loader keeps each delivered tensor in layer.<store>[key][suffix]."""
+    param = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def load(param, loaded_weight, *args, shard_id=None, expert_id=None, return_success=False, **kwargs):
+        shard = shard_id if shard_id is not None else (args[1] if len(args) > 1 else args[0] if args else None)
+        getattr(layer, store).setdefault((shard, expert_id), {})[suffix] = loaded_weight.clone()
+        return True if return_success else None
+
+    set_weight_attrs(param, {"weight_loader": load})
+    return param
+
+
+class Exl3MoEMethod(FusedMoEMethodBase):
+    def __init__(self, moe, config, prefix: str):
+        super().__init__(moe)
+        if moe.ep_size > 1:
+            raise NotImplementedError("exl3: expert parallelism is not supported yet")
+        self.suffixes = next(s for k, s in config.modules.items() if k.startswith(prefix + "."))
+        self.prefix = prefix
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):
+        layer._exl3 = {}
+        layer._exl3_shape = (num_experts, hidden_size, intermediate_size_per_partition, params_dtype)
+        for proj in ("w13", "w2"):
+            for suffix in sorted(self.suffixes):
+                layer.register_parameter(f"{proj}_{suffix}", collector(layer, "_exl3", suffix))
+
+    def process_weights_after_loading(self, layer) -> None:
+        E, H, I, dtype = layer._exl3_shape
+        rank = self.moe.tp_rank
+        rows = slice(rank * I, (rank + 1) * I)  # this rank's part of the intermediate dimension
+        w13 = torch.empty(E, 2 * I, H, dtype=dtype)
+        w2 = torch.empty(E, H, I, dtype=dtype)
+        for e in range(E):
+            def dense(shard, out, inp):
+                t = layer._exl3.get((shard, e))
+                if t is None:
+                    raise ValueError(f"exl3: {self.prefix}: expert {e} has no {SHARD[shard]} tensors in the checkpoint")
+                return decode_weight(t)[:inp, :out].T  # (out, in)
+            w13[e, :I] = dense("w1", I * self.moe.tp_size, H)[rows]
+            w13[e, I:] = dense("w3", I * self.moe.tp_size, H)[rows]
+            w2[e] = dense("w2", H, I * self.moe.tp_size)[:, rows]
+        for proj in ("w13", "w2"):
+            for suffix in self.suffixes:
+                delattr(layer, f"{proj}_{suffix}")
+        del layer._exl3
+        layer.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
+        layer.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
+
+    def get_fused_moe_quant_config(self, layer):
+        return None
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        if self.moe.activation.value != "silu":
+            raise NotImplementedError(f"exl3: activation {self.moe.activation.value} is not supported yet")
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in topk_ids.unique().tolist():
+            token, slot = (topk_ids == e).nonzero(as_tuple=True)
+            h = x[token] @ layer.w13_weight[e].T
+            gate, up = h.chunk(2, dim=-1)
+            y = (torch.nn.functional.silu(gate) * up) @ layer.w2_weight[e].T
+            out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
+        return out.to(x.dtype)
