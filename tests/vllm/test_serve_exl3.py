@@ -90,3 +90,10 @@ def test_qwen3_moe_experts(tmp_path):
 def test_dense_llama_all_linears(tmp_path):
     src = save_hf("llama", tmp_path / "src", base=SERVE_BASE)
     check_served(src, save_exl3_dense(src, tmp_path / "dst", K=4))
+
+
+def test_qwen3_moe_tensor_parallel_2(tmp_path):
+    """TP=2 on vLLM's CPU backend: each rank takes its half of every expert's intermediate dimension."""
+    src = save_hf("qwen3_moe", tmp_path / "src", base=SERVE_BASE)
+    convert(src, tmp_path / "dst", ConvertOptions(bits=3, encoder="beam", beam_width=16), ["cpu"])
+    check_served(src, tmp_path / "dst", "--tensor-parallel-size", "2")

@@ -1,8 +1,8 @@
 """`Exl3Config`: vLLM's quantization config for EXL3 checkpoints.
 
-Per module it picks the EXL3 method where the checkpoint holds EXL3 tensors for that module and vLLM's
-unquantized path elsewhere (FP8 and other source-precision tensors keep their own handling only when the
-checkpoint's original quantization is not in play: see get_quant_method).
+Per module it picks the EXL3 method where the checkpoint holds EXL3 tensors for that module. Every other
+module takes the method of the checkpoint's original quantization (`original_quantization_config`, e.g.
+FP8 attention in a DeepSeek pack) when there is one, else vLLM's unquantized path.
 """
 import torch
 from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -19,6 +19,11 @@ class Exl3Config(QuantizationConfig):
         super().__init__()
         self.qconfig = qconfig
         self.modules: dict[str, frozenset] | None = None  # filled by maybe_update_config
+        original = qconfig.original_quantization_config
+        self.original = None
+        if original:
+            from vllm.model_executor.layers.quantization import get_quantization_config
+            self.original = get_quantization_config(original["quant_method"]).from_config(original)
 
     def __repr__(self) -> str:
         return f"Exl3Config({self.qconfig})"
@@ -55,17 +60,29 @@ class Exl3Config(QuantizationConfig):
         return [self.modules.get(f"{parent}.{p}" if parent else p) for p in parts]
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from vllm.platforms import current_platform
+
         from .linear import Exl3LinearMethod
         from .moe import Exl3MoEMethod
 
+        if self.original is not None:
+            self.original.packed_modules_mapping = self.packed_modules_mapping
+        if not current_platform.is_cpu():
+            # The CPU methods decode every EXL3 weight to the compute dtype; on a GPU that would hide a
+            # memory blow-up of ~8x behind a working server, so refuse until the Triton kernels land.
+            raise NotImplementedError(f"exl3: serving on {current_platform.device_name} needs xmoe's Triton "
+                                      "kernels, which this version does not have yet; only the CPU backend is supported")
+
         if isinstance(layer, RoutedExperts):
             quantized = any(k.startswith(prefix + ".") for k in self.modules or {})
-            return Exl3MoEMethod(layer.moe_config, self, prefix) if quantized \
+            if quantized:
+                return Exl3MoEMethod(layer.moe_config, self, prefix)
+            return self.original.get_quant_method(layer, prefix) if self.original \
                 else UnquantizedFusedMoEMethod(layer.moe_config)
         if isinstance(layer, LinearBase):
             found = self._suffixes(prefix)
             if all(s is None for s in found):
-                return UnquantizedLinearMethod()
+                return self.original.get_quant_method(layer, prefix) if self.original else UnquantizedLinearMethod()
             if any(s is None for s in found) or len(set(found)) > 1:
                 raise ValueError(f"exl3: {prefix} fuses modules of which only some are EXL3 or whose EXL3 "
                                  f"tensors differ ({found}); this is not supported")

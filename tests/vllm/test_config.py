@@ -1,0 +1,43 @@
+"""The plugin's registration and its per-module choice of method."""
+from importlib.metadata import entry_points
+
+import pytest
+from vllm.model_executor.layers.linear import QKVParallelLinear, UnquantizedLinearMethod
+
+from xmoe.vllm import register
+from xmoe.vllm.config import Exl3Config
+from xmoe.vllm.linear import Exl3LinearMethod
+
+EXL3 = frozenset({"trellis", "suh", "svh", "mcg"})
+
+
+def test_entry_point_and_idempotent_registration():
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("exl3") == "xmoe.vllm:register"
+    from vllm.model_executor.layers.quantization import get_quantization_config
+    register()
+    register()  # vLLM calls it in every process, possibly more than once
+    assert get_quantization_config("exl3") is Exl3Config
+
+
+def config(modules):
+    c = Exl3Config.from_config({"quant_method": "exl3", "bits": 2, "codebook": "mcg", "version": "0.1.0",
+                                "producer": {"name": "xmoe", "version": "0.1.0"}})
+    c.modules = modules
+    c.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    return c
+
+
+def qkv():
+    return object.__new__(QKVParallelLinear)  # only its type matters to the dispatch
+
+
+def test_dispatch_by_checkpoint_contents():
+    prefix = "model.layers.0.self_attn"
+    all_exl3 = config({f"{prefix}.{p}": EXL3 for p in ("q_proj", "k_proj", "v_proj")})
+    assert isinstance(all_exl3.get_quant_method(qkv(), f"{prefix}.qkv_proj"), Exl3LinearMethod)
+    assert isinstance(config({}).get_quant_method(qkv(), f"{prefix}.qkv_proj"), UnquantizedLinearMethod)
+    partial = config({f"{prefix}.q_proj": EXL3})
+    with pytest.raises(ValueError, match="only some are EXL3"):
+        partial.get_quant_method(qkv(), f"{prefix}.qkv_proj")
+    assert config({}).get_quant_method(object(), "model.norm") is None
