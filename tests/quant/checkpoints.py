@@ -31,6 +31,12 @@ def hf_config(arch: str, base: dict = BASE):
                                    num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
                                    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                    v_head_dim=8)
+    if arch == "deepseek_v4":
+        n = base["num_hidden_layers"]
+        return tf.DeepseekV4Config(**base, head_dim=64, moe_intermediate_size=64, q_lora_rank=32, n_routed_experts=4,
+                                   num_experts_per_tok=2, qk_rope_head_dim=16, o_groups=1, o_lora_rank=32,
+                                   index_n_heads=2, index_head_dim=32, index_topk=16, hc_mult=2, sliding_window=16,
+                                   layer_types=["compressed_sparse_attention"] * n, mlp_layer_types=["moe"] * n)
     raise ValueError(arch)
 
 

@@ -163,7 +163,9 @@ def finish(plan: Plan, dst: Path, opts: ConvertOptions, layout: dict, report: di
     config = dict(plan.config)
     previous = config.pop("quantization_config", None)
     ks = sorted(set(plan.bits.values()))
-    qc = QuantConfig(bits=opts.bits, codebook=opts.codebook, version=__version__,
+    numel = {k: out * inp for k, (out, inp) in plan.shapes.items()}
+    bits = sum(plan.bits[k] * n for k, n in numel.items()) / max(sum(numel.values()), 1) if numel else opts.bits
+    qc = QuantConfig(bits=round(bits, 2), codebook=opts.codebook, version=__version__,
                      layer_bits={p: K for p, K in opts.bits_for} if len(ks) > 1 else {},
                      original_quantization_config=previous)
     config["quantization_config"] = qc.to_dict() | {"scope": "routed_experts", "encoder": opts.encoder}

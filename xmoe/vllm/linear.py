@@ -17,7 +17,7 @@ class Exl3LinearMethod(LinearMethodBase):
         layer._exl3 = {}
         layer._exl3_shape = (input_size_per_partition, list(output_partition_sizes), input_size, params_dtype)
         for suffix in sorted(self.suffixes):
-            layer.register_parameter(suffix, collector(layer, "_exl3", suffix))
+            layer.register_parameter(suffix, collector(layer, suffix, experts=False))
 
     def process_weights_after_loading(self, layer) -> None:
         in_part, out_parts, in_full, dtype = layer._exl3_shape

@@ -10,16 +10,23 @@ from ..format.layer import decode_weight
 SHARD = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
-def collector(layer: torch.nn.Module, store: str, suffix: str) -> torch.nn.Parameter:
-    """An empty parameter whose loader keeps each delivered tensor in layer.<store>[key][suffix]."""
+def collector(layer: torch.nn.Module, suffix: str, experts: bool) -> torch.nn.Parameter:
+    """An empty parameter whose loader keeps each delivered tensor in layer._exl3[(shard, expert)][suffix].
+
+    The loader has vLLM's signature for expert weights, or for (possibly merged) linear weights."""
     param = torch.nn.Parameter(torch.empty(0), requires_grad=False)
 
-    def load(param, loaded_weight, *args, shard_id=None, expert_id=None, return_success=False, **kwargs):
-        shard = shard_id if shard_id is not None else (args[1] if len(args) > 1 else args[0] if args else None)
-        getattr(layer, store).setdefault((shard, expert_id), {})[suffix] = loaded_weight.clone()
+    def keep(shard, expert, tensor):
+        layer._exl3.setdefault((shard, expert), {})[suffix] = tensor.clone()
+
+    def expert_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+        keep(shard_id, expert_id, loaded_weight)
         return True if return_success else None
 
-    set_weight_attrs(param, {"weight_loader": load})
+    def linear_loader(param, loaded_weight, loaded_shard_id=None):
+        keep(loaded_shard_id, None, loaded_weight)
+
+    set_weight_attrs(param, {"weight_loader": expert_loader if experts else linear_loader})
     return param
 
 
@@ -37,7 +44,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         layer._exl3_shape = (num_experts, hidden_size, intermediate_size_per_partition, params_dtype)
         for proj in ("w13", "w2"):
             for suffix in sorted(self.suffixes):
-                layer.register_parameter(f"{proj}_{suffix}", collector(layer, "_exl3", suffix))
+                layer.register_parameter(f"{proj}_{suffix}", collector(layer, suffix, experts=True))
 
     def process_weights_after_loading(self, layer) -> None:
         E, H, I, dtype = layer._exl3_shape
