@@ -26,6 +26,14 @@ def padded(dim: int) -> int:
     return -(-dim // HAD) * HAD
 
 
+def stored_layout(in_features: int, out_features: int, K: float, codebook: str) -> list[tuple[str, torch.dtype, tuple]]:
+    """(suffix, dtype, shape) of every tensor a layer of this size is stored as, before it is encoded."""
+    k, n = padded(in_features), padded(out_features)
+    return [("suh", torch.float16, (k,)), ("svh", torch.float16, (n,)),
+            ("trellis", torch.int16, (k // 16, n // 16, int(16 * K)))] + \
+        [(name, t.dtype, tuple(t.shape)) for name, t in marker(codebook).items()]
+
+
 def is_exl3(tensors: dict) -> bool:
     return "trellis" in tensors and ("suh" in tensors or "su" in tensors) and ("svh" in tensors or "sv" in tensors)
 

@@ -4,11 +4,13 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from ..format.layer import SUFFIXES
 from .plan import read_source
 
 
 def group_of(name: str) -> str:
-    return re.sub(r"\.\d+\.", ".*.", re.sub(r"\.\d+\.", ".*.", name))
+    """Module key with every numeric index (layer, expert) replaced by *."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
 
 
 def inspect_dir(path: str | Path) -> dict:
@@ -25,7 +27,7 @@ def inspect_dir(path: str | Path) -> dict:
             if suffix == "trellis":
                 g["format"].add("exl3")
                 g["bits"].add(t.shape[-1] / 16)
-            elif suffix not in ("suh", "svh", "mcg", "mul1", "su", "sv"):
+            elif suffix not in SUFFIXES or suffix == "bias":
                 g["format"].add(t.dtype)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     return {"path": str(path), "model_type": config.get("model_type"),

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..format.codebook import check_codebook
-from ..format.layer import padded
+from ..format.layer import stored_layout
 from ..format.trellis import check_bits
 from .experts import ExpertProj, find_experts
-from .st_io import CheckpointError, TensorInfo, read_header
+from .st_io import TORCH_DTYPE, CheckpointError, TensorInfo, read_header
 
 INDEX = "model.safetensors.index.json"
 SKIP_FILES = (".bin", ".pt", ".pth", ".ckpt", ".safetensors")
@@ -123,11 +123,8 @@ def make_plan(src: Path, options: ConvertOptions) -> Plan:
 
 
 def exl3_entries(key: str, shape: tuple[int, int], K: float, codebook: str) -> list[tuple[str, str, tuple]]:
-    """Header entries of one quantized projection, known before it is encoded."""
-    k, n = padded(shape[1]), padded(shape[0])
-    entries = [(f"{key}.suh", "F16", (k,)), (f"{key}.svh", "F16", (n,)),
-               (f"{key}.trellis", "I16", (k // 16, n // 16, int(16 * K)))]
-    return entries + ([(f"{key}.{codebook}", "I32", ())] if codebook != "3inst" else [])
+    """Header entries of one quantized (out, in) projection, known before it is encoded."""
+    return [(f"{key}.{suffix}", TORCH_DTYPE[dtype], s) for suffix, dtype, s in stored_layout(shape[1], shape[0], K, codebook)]
 
 
 def shard_layout(plan: Plan, codebook: str) -> dict[str, list]:

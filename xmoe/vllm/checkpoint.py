@@ -4,7 +4,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-MARKERS = ("mcg", "mul1")
+from ..format.layer import SUFFIXES
 
 
 def exl3_modules(model_dir: str) -> dict[str, frozenset]:
@@ -22,6 +22,6 @@ def exl3_modules(model_dir: str) -> dict[str, frozenset]:
     modules: dict[str, set] = {}
     for name in names:
         key, _, suffix = name.rpartition(".")
-        if suffix in ("trellis", "suh", "svh", "su", "sv") + MARKERS:
+        if suffix in SUFFIXES and suffix != "bias":
             modules.setdefault(key, set()).add(suffix)
     return {k: frozenset(v) for k, v in modules.items() if "trellis" in v}
