@@ -1,21 +1,18 @@
 """Reference greedy decoding with transformers on the weights an EXL3 checkpoint decodes to."""
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from xmoe.format import decode_weight
+from xmoe.format.layer import shard_files
 
 EXPERT = ".experts."
 
 
 def exl3_tensors(dst: Path) -> dict[str, dict]:
-    index = dst / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-        else ["model.safetensors"]
     layers: dict[str, dict] = {}
-    for name in files:
+    for name in shard_files(dst)[0]:
         with safe_open(str(dst / name), framework="pt") as f:
             for k in f.keys():
                 key, _, suffix = k.rpartition(".")

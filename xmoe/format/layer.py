@@ -3,6 +3,7 @@
 
 The full weight is W = diag(suh) H_k W-hat H_n diag(svh), shape (in_features, out_features), y = x W + b.
 """
+import json
 import os
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from .hadamard import HAD, had_cols, had_rows
 from .trellis import bits_from_trellis, decode_inner
 
 SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
+INDEX = "model.safetensors.index.json"
 
 
 class FormatError(ValueError):
@@ -147,6 +149,17 @@ def save_layers(path: str | os.PathLike, layers: dict[str, dict], metadata: dict
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: t.contiguous() for k, t in flatten(layers).items()}, str(tmp), metadata=metadata or {"format": "pt"})
     os.replace(tmp, path)
+
+
+def shard_files(model_dir: str | os.PathLike) -> tuple[list[str], dict | None]:
+    """Safetensors files of a model directory and its index's weight_map (None for a single-file model)."""
+    path = Path(model_dir)
+    if (path / INDEX).is_file():
+        weight_map = json.loads((path / INDEX).read_text()).get("weight_map", {})
+        return sorted(set(weight_map.values())), weight_map
+    if (path / "model.safetensors").is_file():
+        return ["model.safetensors"], None
+    raise FormatError(f"{path}: neither {INDEX} nor model.safetensors")
 
 
 def load_layer(path: str | os.PathLike, key: str, device: str = "cpu") -> dict:

@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..format.codebook import check_codebook
-from ..format.layer import stored_layout
+from ..format.layer import INDEX, FormatError, shard_files, stored_layout
 from ..format.trellis import check_bits
 from .experts import ExpertProj, find_experts
 from .st_io import TORCH_DTYPE, CheckpointError, TensorInfo, read_header
 
-INDEX = "model.safetensors.index.json"
 SKIP_FILES = (".bin", ".pt", ".pth", ".ckpt", ".safetensors")
 
 
@@ -73,13 +72,10 @@ def read_source(src: Path) -> tuple[dict, dict[str, list[TensorInfo]]]:
     if not cfg_path.is_file():
         raise CheckpointError(f"{src}: no config.json (is this a Hugging Face model directory?)")
     config = json.loads(cfg_path.read_text())
-    if (src / INDEX).is_file():
-        weight_map = json.loads((src / INDEX).read_text()).get("weight_map", {})
-        files = sorted(set(weight_map.values()))
-    elif (src / "model.safetensors").is_file():
-        weight_map, files = None, ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{src}: neither {INDEX} nor model.safetensors")
+    try:
+        files, weight_map = shard_files(src)
+    except FormatError as e:
+        raise CheckpointError(str(e)) from None
     shards = {}
     for name in files:
         if not (src / name).is_file():

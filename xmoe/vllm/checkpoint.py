@@ -1,10 +1,9 @@
 """Which modules of a checkpoint hold EXL3 tensors: read once from the safetensors headers."""
-import json
 from pathlib import Path
 
 from safetensors import safe_open
 
-from ..format.layer import SUFFIXES
+from ..format.layer import SUFFIXES, shard_files
 
 
 def exl3_modules(model_dir: str) -> dict[str, frozenset]:
@@ -12,11 +11,8 @@ def exl3_modules(model_dir: str) -> dict[str, frozenset]:
     path = Path(model_dir)
     if not path.is_dir():
         raise ValueError(f"exl3: {model_dir!r} is not a local model directory; download it first")
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-        else [p.name for p in path.glob("*.safetensors")]
     names = set()
-    for f in files:
+    for f in shard_files(path)[0]:
         with safe_open(str(path / f), framework="pt") as fh:  # reads the header only
             names.update(fh.keys())
     modules: dict[str, set] = {}

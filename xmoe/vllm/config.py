@@ -51,13 +51,16 @@ class Exl3Config(QuantizationConfig):
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
         self.modules = exl3_modules(model_name)
 
-    def _suffixes(self, prefix: str) -> list[frozenset | None]:
-        """EXL3 suffix sets of the checkpoint modules behind a vLLM prefix (a fused layer has several)."""
+    def _scanned(self) -> dict[str, frozenset]:
         if self.modules is None:
             raise RuntimeError("exl3: checkpoint not scanned (maybe_update_config was not called)")
+        return self.modules
+
+    def _suffixes(self, prefix: str) -> list[frozenset | None]:
+        """EXL3 suffix sets of the checkpoint modules behind a vLLM prefix (a fused layer has several)."""
         parent, _, name = prefix.rpartition(".")
         parts = self.packed_modules_mapping.get(name, [name])
-        return [self.modules.get(f"{parent}.{p}" if parent else p) for p in parts]
+        return [self._scanned().get(f"{parent}.{p}" if parent else p) for p in parts]
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.platforms import current_platform
@@ -74,9 +77,9 @@ class Exl3Config(QuantizationConfig):
                                       "kernels, which this version does not have yet; only the CPU backend is supported")
 
         if isinstance(layer, RoutedExperts):
-            quantized = any(k.startswith(prefix + ".") for k in self.modules or {})
-            if quantized:
-                return Exl3MoEMethod(layer.moe_config, self, prefix)
+            suffixes = next((s for k, s in self._scanned().items() if k.startswith(prefix + ".")), None)
+            if suffixes is not None:
+                return Exl3MoEMethod(layer.moe_config, suffixes, prefix)
             return self.original.get_quant_method(layer, prefix) if self.original \
                 else UnquantizedFusedMoEMethod(layer.moe_config)
         if isinstance(layer, LinearBase):

@@ -31,11 +31,11 @@ def collector(layer: torch.nn.Module, suffix: str, experts: bool) -> torch.nn.Pa
 
 
 class Exl3MoEMethod(FusedMoEMethodBase):
-    def __init__(self, moe, config, prefix: str):
+    def __init__(self, moe, suffixes: frozenset, prefix: str):
         super().__init__(moe)
         if moe.ep_size > 1:
             raise NotImplementedError("exl3: expert parallelism is not supported yet")
-        self.suffixes = next(s for k, s in config.modules.items() if k.startswith(prefix + "."))
+        self.suffixes = suffixes  # the stored tensors of each expert projection (trellis, suh, svh, marker)
         self.prefix = prefix
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
