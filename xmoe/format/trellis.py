@@ -98,6 +98,23 @@ def pack_states(states: torch.Tensor, K: float) -> torch.Tensor:
     return halves.to(torch.int32).to(torch.int16)  # int16 cast of 0..65535 wraps as two's complement
 
 
+@lru_cache(maxsize=None)
+def state_windows(K: float) -> torch.Tensor:
+    """Where each weight of a tile finds its state, for decoders that read the packed words directly.
+
+    Returns int32 (256,), indexed by r*16 + c (input row r, output column c of the tile): the low byte is
+    the word holding the state's last bit (lo), the next byte the word before it (hi, circularly), bits 16+
+    the right shift s such that state = ((hi:lo) >> s) & 0xFFFF on the 64-bit concatenation.
+    """
+    _, S = _layout(check_bits(K))
+    n_words = int(256 * K) // 32
+    end = torch.empty(256, dtype=torch.int64)
+    end[tile_perm()] = S  # S[p]: the stream offset just past position p's last bit
+    word = (end - 1) // 32
+    shift = 32 * (word + 1) - end
+    return (word | ((word - 1) % n_words) << 8 | shift << 16).to(torch.int32)
+
+
 def check_tail_biting(states: torch.Tensor, K: float) -> bool:
     """True when every state continues its predecessor, p = 0 continuing p = 255."""
     D, _ = _layout(check_bits(K))

@@ -1,0 +1,1 @@
+"""EXL3 kernels: Triton GEMM/GEMV and fused MoE, with plain-torch references. Import from kernels.ops."""

@@ -1,0 +1,219 @@
+"""The one import surface of xmoe.kernels: EXL3 linear layers and fused MoE, torch reference or Triton.
+
+Backends are chosen explicitly: "torch" (the reference, any device), "triton" (CUDA GPUs, or the CPU under
+TRITON_INTERPRET=1), or "auto", which takes Triton where it can run, says so once, and otherwise the torch
+reference. Asking for Triton where it cannot run is an error that says why; nothing falls back silently.
+"""
+import logging
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from ..format.hadamard import hadamard_128
+from ..format.trellis import state_windows
+from .reference import exl3_linear_ref, fused_moe_ref
+from .weights import Exl3Experts, Exl3Weight
+
+BACKENDS = ("auto", "triton", "torch")
+log = logging.getLogger(__name__)
+
+
+def triton_refusal(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on this device, or None when they can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed (pip install 'xmoe[gpu]')"
+    if device.type == "cpu":
+        return None if os.environ.get("TRITON_INTERPRET") == "1" else \
+            "tensors are on the CPU (the Triton kernels need a CUDA GPU, or TRITON_INTERPRET=1 to emulate one)"
+    if device.type != "cuda":
+        return f"device {device} is not a CUDA GPU"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return f"{torch.cuda.get_device_name(device)} is older than sm_80 (the kernels need fp16 tensor-core MMA)"
+    return None
+
+
+@lru_cache(maxsize=None)
+def _announce(device: str, backend: str, reason: str) -> None:
+    log.info("xmoe kernels on %s: %s (%s)", device, backend, reason)
+
+
+def pick_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    refusal = triton_refusal(device)
+    if backend == "triton" and refusal:
+        raise RuntimeError(f"the Triton EXL3 kernels cannot run here: {refusal}")
+    if backend == "auto":
+        backend = "torch" if refusal else "triton"
+        _announce(str(device), backend, refusal or "Triton kernels available")
+    return backend
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Tile sizes of one grouped-GEMM launch: rows per chunk, columns per program, K splits, warps."""
+    BM: int
+    BN: int
+    split: int
+    warps: int
+
+
+def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int) -> Launch:
+    """Enough programs to fill the GPU about four times over at decode; whole K per program in prefill."""
+    BM = 16 if rows_per_chunk <= 16 else 64
+    BN = 64
+    programs = max(chunks, 1) * (n // BN)
+    split = max(1, min(k // 128, -(-4 * sms // programs)))
+    return Launch(BM, BN, split, 4)
+
+
+@lru_cache(maxsize=None)
+def _had(device: str) -> torch.Tensor:
+    return (hadamard_128() * 128 ** 0.5).round().to(device=device, dtype=torch.float16)
+
+
+@lru_cache(maxsize=None)
+def _windows(K: float, device: str) -> torch.Tensor:
+    return state_windows(K).to(device)
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+CODEBOOK_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
+
+
+def _gemm(a, rows, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, rotate: bool, launch: Launch):
+    """Launch grouped_gemm over `chunks` = (pos, len, expert, count, bound) into partials p0 (and p1)."""
+    from .triton_exl3 import grouped_gemm
+    pos, length, expert, count, bound = chunks
+    words = w.trellis.view(torch.int32)
+    stride_te = words[0].numel() if w.experts else 0
+    stride_se = w.suh.shape[-1] if w.experts else 0
+    other = second if second is not None else w
+    grid = (bound, w.n // launch.BN, launch.split)
+    grouped_gemm[grid](a, a.stride(0), rows, pos, length, expert, count,
+                       words, w.suh, other.trellis.view(torch.int32), other.suh, _had(str(a.device)),
+                       _windows(w.K, str(a.device)), p0, p1 if p1 is not None else p0,
+                       p0.shape[1], w.k, w.n, stride_te, stride_se,
+                       W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], DUAL=second is not None, ROTATE=rotate,
+                       BM=launch.BM, BN=launch.BN, SPLIT=launch.split, num_warps=launch.warps)
+
+
+def _padded_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    x = x.reshape(-1, x.shape[-1])
+    if x.shape[-1] < k:
+        x = torch.nn.functional.pad(x, (0, k - x.shape[-1]))
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None,
+                backend: str = "auto") -> torch.Tensor:
+    """y = x W + bias for x (..., in_features) fp16/bf16/fp32; returns (..., out_features) in x's dtype."""
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"exl3_linear: input has {x.shape[-1]} features, the layer takes {w.in_features}")
+    if w.experts:
+        raise ValueError("exl3_linear: takes one layer, got a stack of experts")
+    if pick_backend(backend, x.device) == "torch":
+        return exl3_linear_ref(x.reshape(-1, x.shape[-1]), w, bias).reshape(*x.shape[:-1], w.out_features)
+    from .triton_exl3 import linear_epilogue
+    a = _padded_rows(x, w.k)
+    M = a.shape[0]
+    launch = plan(-(-M // 16), w.n, w.k, M, _sms(x.device))
+    BM = launch.BM
+    dev = x.device
+    pos = torch.arange(0, M, BM, device=dev, dtype=torch.int32)
+    chunks = (pos, (M - pos).clamp(max=BM), torch.zeros_like(pos), torch.tensor([len(pos)], device=dev,
+              dtype=torch.int32), len(pos))
+    part = torch.empty(launch.split, M, w.n, device=dev, dtype=torch.float32)
+    _gemm(a, torch.arange(M, device=dev, dtype=torch.int32), chunks, w, part, None, None, True, launch)
+    out = torch.empty(M, w.out_features, device=dev, dtype=x.dtype)
+    linear_epilogue[(-(-M // 16), w.n // 128)](part, w.svh, bias if bias is not None else w.svh, out, _had(str(dev)),
+                                               M, w.n, w.out_features, HAS_BIAS=bias is not None,
+                                               SPLIT=launch.split, BM=16)
+    return out.reshape(*x.shape[:-1], w.out_features)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The slots (token, k) sorted by local expert, all on the device, from host-known sizes only.
+
+    rows: token of each sorted position; sorted_expert: its expert (E for slots another rank owns);
+    slot_pos: sorted position of each slot; slot_expert: local expert of each slot (-1: not ours);
+    chunks: (pos, len, expert, count, bound), runs of one expert cut at BM rows, padded to `bound` entries.
+    """
+    rows: torch.Tensor
+    sorted_expert: torch.Tensor
+    slot_pos: torch.Tensor
+    slot_expert: torch.Tensor
+    chunks: tuple
+
+
+def route(topk_ids: torch.Tensor, experts: int, BM: int, expert_map: torch.Tensor | None = None) -> Routing:
+    """Group slots by expert with device-side sort, scan and scatter: no host sync, so it graph-captures."""
+    top_k = topk_ids.shape[1]
+    local = (topk_ids if expert_map is None else expert_map[topk_ids.long()]).reshape(-1).long()
+    key = torch.where(local >= 0, local, experts)
+    order = torch.sort(key, stable=True).indices
+    sorted_e = key[order]
+    P = key.numel()
+    pos = torch.arange(P, device=key.device)
+    first = torch.ones(P, dtype=torch.bool, device=key.device)
+    first[1:] = sorted_e[1:] != sorted_e[:-1]
+    run_start = torch.where(first, pos, 0).cummax(0).values
+    counts = torch.zeros(experts + 1, dtype=torch.long, device=key.device).scatter_add_(0, key, torch.ones_like(key))
+    run_end = run_start + counts[sorted_e]
+    leader = ((pos - run_start) % BM == 0) & (sorted_e < experts)
+    bound = min(P, -(-P // BM) + experts)
+    idx = torch.where(leader, leader.cumsum(0) - 1, bound)
+    table = torch.zeros(3, bound + 1, dtype=torch.int32, device=key.device)
+    table.scatter_(1, idx.expand(3, P), torch.stack([pos, (run_end - pos).clamp(max=BM), sorted_e]).int())
+    slot_pos = torch.empty_like(order).scatter_(0, order, pos)
+    chunks = (table[0], table[1], table[2], leader.sum().int().reshape(1), bound)
+    return Routing((order // top_k).int(), sorted_e.int(), slot_pos.int(), local.int(), chunks)
+
+
+def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Exl3Experts,
+              limit: float | None = None, expert_map: torch.Tensor | None = None,
+              backend: str = "auto") -> torch.Tensor:
+    """sum over each token's experts of weight * down(act(gate(x)) * up(x)), act = SiLU (SwiGLU clamp with
+    `limit`). x (M, hidden); topk_ids/topk_weights (M, top_k); expert_map: global -> local expert id, -1 for
+    experts another rank owns (expert parallelism). Returns (M, hidden) in x's dtype."""
+    if x.dim() != 2 or x.shape[1] != experts.hidden:
+        raise ValueError(f"fused_moe: x is {tuple(x.shape)}, expected (tokens, {experts.hidden})")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be (tokens={x.shape[0]}, top_k)")
+    if pick_backend(backend, x.device) == "torch":
+        return fused_moe_ref(x, topk_ids, topk_weights, experts, limit, expert_map)
+    from .triton_exl3 import act_epilogue, combine_epilogue
+    M, top_k = topk_ids.shape
+    P, E, dev = M * top_k, experts.count, x.device
+    g, d = experts.gate, experts.down
+    sms = _sms(dev)
+    unique = min(P, E)
+    up_launch = plan(unique, g.n, g.k, P / unique, sms)
+    down_launch = plan(unique, d.n, d.k, P / unique, sms)
+    down_launch = Launch(up_launch.BM, down_launch.BN, down_launch.split, down_launch.warps)  # same chunks
+    r = route(topk_ids, E, up_launch.BM, expert_map)
+    a = _padded_rows(x, g.k)
+    pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
+    pu = torch.empty_like(pg)
+    _gemm(a, r.rows, r.chunks, g, pg, pu, experts.up, True, up_launch)
+    mid = torch.empty(P, g.n, device=dev, dtype=torch.float16)
+    act_epilogue[(-(-P // 16), g.n // 128)](pg, pu, r.sorted_expert, g.svh, experts.up.svh, d.suh, _had(str(dev)),
+                                            mid, P, g.n, experts.intermediate, E, float(limit or 0.0),
+                                            HAS_LIMIT=limit is not None, SPLIT=up_launch.split, BM=16)
+    pd = torch.empty(down_launch.split, P, d.n, device=dev, dtype=torch.float32)
+    identity = torch.arange(P, device=dev, dtype=torch.int32)
+    _gemm(mid, identity, r.chunks, d, pd, None, None, False, down_launch)
+    out = torch.empty(M, experts.hidden, device=dev, dtype=x.dtype)
+    combine_epilogue[(-(-M // 16), d.n // 128)](pd, r.slot_pos, r.slot_expert, topk_weights.reshape(-1), d.svh,
+                                                _had(str(dev)), out, M, P, d.n, experts.hidden, TOPK=top_k,
+                                                SPLIT=down_launch.split, BM=16)
+    return out

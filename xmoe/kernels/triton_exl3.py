@@ -1,0 +1,197 @@
+"""Triton kernels for EXL3 weights: a grouped GEMM that decodes the trellis in registers, and the small
+epilogue kernels that finish the 128-wide output Hadamards.
+
+One grouped GEMM serves dense layers and experts. Its rows come in *chunks* of at most BM rows that share
+one weight (a dense layer: consecutive rows; a MoE: the tokens routed to one expert, from a device-side
+sort), so each weight tile is decoded once per chunk and applied to all its rows on tensor cores. Every
+(chunk, column block, K split) is one program; programs past the device-side chunk count exit at once, so
+grids are sized from host-known bounds and the calls capture in CUDA graphs. K splits write fp32 partials
+that an epilogue sums in a fixed order (deterministic, no atomics), then rotates by H_128 and scales.
+
+Decode per weight: two word loads (L1 hits: a tile's 8K words feed 256 weights), a funnel shift, the
+codebook arithmetic (format/codebook.py), fp16. The word offsets and shifts of the 256 positions of a tile
+come from a 256-entry table per K (position_table), hoisted out of the K loop.
+"""
+import triton
+import triton.language as tl
+
+BK = 128  # rows of weights per K step: one Hadamard block, so the input rotation can be fused
+RSQRT128 = 0.08838834764831845  # the Hadamard matrix is passed as exact ±1 and scaled in fp32
+
+
+@triton.jit
+def codebook_fp16(state, CB: tl.constexpr):
+    """fp16 weights of uint32 states 0..65535 (CB: 0 3inst, 1 mcg, 2 mul1), bit-exact with the format."""
+    if CB == 0:
+        x = state * 89226354 + 64248484
+    elif CB == 1:
+        x = state * 0xCBAC1FED
+    else:
+        x = state * 0x83DCD12D
+    if CB == 2:
+        b = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        v = (b.to(tl.float32) * 0.00676727294921875 - 3.453125).to(tl.float16)
+    else:
+        x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+        v = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True) + \
+            (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    return v
+
+
+@triton.jit
+def decode_block(words, lo_off, hi_off, shift, CB: tl.constexpr):
+    """Decode weights whose state ends in word lo_off, continuing word hi_off, `shift` bits up."""
+    lo = tl.load(words + lo_off).to(tl.uint32, bitcast=True)
+    hi = tl.load(words + hi_off).to(tl.uint32, bitcast=True)
+    state = ((lo >> shift) | ((hi << 1) << (31 - shift))) & 0xFFFF  # two shifts: shift may be 0
+    return codebook_fp16(state, CB)
+
+
+@triton.jit
+def rotate_in(a, scale, had):
+    """H_128 (a * scale) for a (BM, 128): the input side of W = diag(suh) H W-hat H diag(svh)."""
+    a = (a.to(tl.float32) * scale[None, :].to(tl.float32)).to(tl.float16)
+    return (tl.dot(a, had) * 0.08838834764831845).to(tl.float16)
+
+
+@triton.jit
+def grouped_gemm(a_ptr, stride_a, rows_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, n_chunks_ptr,
+                 t0_ptr, s0_ptr, t1_ptr, s1_ptr, had_ptr, table_ptr, p0_ptr, p1_ptr,
+                 P, k, n, stride_te, stride_se,
+                 W: tl.constexpr, CB: tl.constexpr, DUAL: tl.constexpr, ROTATE: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
+    """Partial products p[split, pos, n] = A[rows[pos]] (rotated) @ W-hat[e] over this split's K range.
+
+    a (rows, k) fp16/bf16; trellis as int32 words (E, k/16, n/16, W); suh (E, k) fp16; had (128, 128) ±1 fp16;
+    p (SPLIT, P, n) fp32. DUAL decodes a second weight (up) against the same rows.
+    """
+    pid_c = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    if pid_c >= tl.load(n_chunks_ptr):
+        return
+    pos0 = tl.load(chunk_pos_ptr + pid_c)
+    count = tl.load(chunk_len_ptr + pid_c)
+    e = tl.load(chunk_expert_ptr + pid_c).to(tl.int64)
+    m = tl.arange(0, BM)
+    live = m < count
+    row = tl.load(rows_ptr + pos0 + m, mask=live, other=0).to(tl.int64)
+    kr = tl.arange(0, BK)
+    cols = pid_n * BN + tl.arange(0, BN)
+
+    # Word offsets of every weight of a (128, BN) block, relative to its first k-tile row.
+    r = kr[:, None]
+    c = tl.arange(0, BN)[None, :]
+    entry = tl.load(table_ptr + (r % 16) * 16 + c % 16)
+    n_tiles = n // 16
+    tile = (r // 16) * (n_tiles * W) + (pid_n * (BN // 16) + c // 16) * W
+    lo_off = tile + (entry & 0xFF)
+    hi_off = tile + ((entry >> 8) & 0xFF)
+    shift = (entry >> 16).to(tl.uint32)
+
+    if ROTATE:
+        had = tl.load(had_ptr + kr[:, None] * BK + kr[None, :])
+    steps = k // BK
+    per = tl.cdiv(steps, SPLIT)
+    first = pid_s * per
+    last = tl.minimum(steps, first + per)
+    acc0 = tl.zeros((BM, BN), tl.float32)
+    acc1 = tl.zeros((BM, BN), tl.float32)
+    w0_base = t0_ptr + e * stride_te
+    w1_base = t1_ptr + e * stride_te
+    for step in range(first, last):
+        kk = step * BK
+        a = tl.load(a_ptr + row[:, None] * stride_a + kk + kr[None, :], mask=live[:, None], other=0.0)
+        block = step * (BK // 16) * n_tiles * W  # within one expert: fits int32
+        if ROTATE:
+            a0 = rotate_in(a, tl.load(s0_ptr + e * stride_se + kk + kr), had)
+        else:
+            a0 = a.to(tl.float16)
+        acc0 = tl.dot(a0, decode_block(w0_base + block, lo_off, hi_off, shift, CB), acc0)
+        if DUAL:
+            if ROTATE:
+                a1 = rotate_in(a, tl.load(s1_ptr + e * stride_se + kk + kr), had)
+            else:
+                a1 = a0
+            acc1 = tl.dot(a1, decode_block(w1_base + block, lo_off, hi_off, shift, CB), acc1)
+    out = (pid_s * P + pos0 + m).to(tl.int64)[:, None] * n + cols[None, :]
+    tl.store(p0_ptr + out, acc0, mask=live[:, None])
+    if DUAL:
+        tl.store(p1_ptr + out, acc1, mask=live[:, None])
+
+
+@triton.jit
+def _split_sum(p_ptr, pos, cols, mask, P, n, SPLIT: tl.constexpr):
+    acc = tl.load(p_ptr + pos.to(tl.int64)[:, None] * n + cols[None, :], mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + (s * P + pos).to(tl.int64)[:, None] * n + cols[None, :], mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
+def rotate_out(acc, had):
+    """H_128 acc for fp32 acc (BM, 128), in fp32."""
+    return tl.dot(acc, had.to(tl.float32), input_precision="ieee") * 0.08838834764831845
+
+
+@triton.jit
+def linear_epilogue(p_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, n_out,
+                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
+    """out[pos, :n_out] = (H_128 sum_split p[:, pos]) * svh (+ bias), in out's dtype."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    had = tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
+    mask = (rows < P)[:, None]
+    y = rotate_out(_split_sum(p_ptr, rows, cols, mask, P, n, SPLIT), had)
+    y = y * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=cols < n_out, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * n_out + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mask & (cols < n_out)[None, :])
+
+
+@triton.jit
+def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, had_ptr, out_ptr,
+                 P, n, n_real, E, limit, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
+    """The middle of a MoE expert, per sorted slot: g, u = H(gate), H(up) scaled by svh; a = SiLU(g) u
+    (SwiGLU-clamped with a limit); out = H(a * suh_down) in fp16, the down projection's rotated input."""
+    pos = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    had = tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
+    e = tl.load(expert_ptr + pos, mask=pos < P, other=E).to(tl.int64)
+    live = (pos < P) & (e < E)
+    mask = live[:, None]
+    vec = e[:, None] * n + cols[None, :]
+    g = rotate_out(_split_sum(pg_ptr, pos, cols, mask, P, n, SPLIT), had)
+    g = g * tl.load(svh_g_ptr + vec, mask=mask, other=0.0).to(tl.float32)
+    u = rotate_out(_split_sum(pu_ptr, pos, cols, mask, P, n, SPLIT), had)
+    u = u * tl.load(svh_u_ptr + vec, mask=mask, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    a = g / (1.0 + tl.exp(-g)) * u
+    a = tl.where((cols < n_real)[None, :], a, 0.0)  # padded intermediate columns feed the down projection as 0
+    a = a * tl.load(suh_d_ptr + vec, mask=mask, other=0.0).to(tl.float32)
+    a = rotate_out(a, had)
+    tl.store(out_ptr + pos.to(tl.int64)[:, None] * n + cols[None, :], a.to(tl.float16), mask=mask)
+
+
+@triton.jit
+def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr, had_ptr, out_ptr,
+                     M, P, n, n_out, TOPK: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
+    """out[t] = sum over t's slots j, in order, of w[t, j] * H(down partials of the slot) * svh_down[e]."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    had = tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
+    acc = tl.zeros((BM, 128), tl.float32)
+    for j in tl.static_range(TOPK):
+        slot = rows * TOPK + j
+        e = tl.load(slot_expert_ptr + slot, mask=rows < M, other=-1).to(tl.int64)
+        live = (rows < M) & (e >= 0)
+        pos = tl.load(slot_pos_ptr + slot, mask=live, other=0)
+        w = tl.load(weight_ptr + slot, mask=live, other=0.0).to(tl.float32)
+        y = rotate_out(_split_sum(pd_ptr, pos, cols, live[:, None], P, n, SPLIT), had)
+        y = y * tl.load(svh_ptr + e[:, None] * n + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        acc += y * w[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * n_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows < M)[:, None] & (cols < n_out)[None, :])
