@@ -7,14 +7,14 @@ from xmoe.kernels.weights import Exl3Experts, Exl3Weight
 
 def random_weight(in_features: int, out_features: int, K: float, codebook: str, experts: int = 0,
                   seed: int = 0, device="cpu") -> Exl3Weight:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
     k, n = padded(in_features), padded(out_features)
     lead = (experts,) if experts else ()
-    trellis = torch.randint(-32768, 32768, (*lead, k // 16, n // 16, int(16 * K)), generator=g, dtype=torch.int32)
-    suh = (torch.rand(*lead, k, generator=g) + 0.5) * (torch.randint(0, 2, (*lead, k), generator=g) * 2 - 1)
-    svh = (torch.rand(*lead, n, generator=g) + 0.5) * (torch.randint(0, 2, (*lead, n), generator=g) * 2 - 1) / k ** 0.5
-    return Exl3Weight(trellis.to(torch.int16).to(device), suh.half().to(device), svh.half().to(device), K, codebook,
-                      in_features, out_features)
+    kw = dict(generator=g, device=device)
+    trellis = torch.randint(-32768, 32768, (*lead, k // 16, n // 16, int(16 * K)), dtype=torch.int16, **kw)
+    suh = (torch.rand(*lead, k, **kw) + 0.5) * (torch.randint(0, 2, (*lead, k), **kw) * 2 - 1)
+    svh = (torch.rand(*lead, n, **kw) + 0.5) * (torch.randint(0, 2, (*lead, n), **kw) * 2 - 1) / k ** 0.5
+    return Exl3Weight(trellis, suh.half(), svh.half(), K, codebook, in_features, out_features)
 
 
 def random_experts(E: int, hidden: int, intermediate: int, K: float, codebook: str, K_down: float | None = None,

@@ -1,0 +1,66 @@
+"""Timing helpers shared by the kernel benchmarks: CUDA-graph replay timing, eager timing, copy bandwidth."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def copy_bandwidth(dev, gib: float = 2.0, reps: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second: the memory roofline of this run."""
+    n = int(gib * 2 ** 30) // 4
+    a, b = torch.empty(n, dtype=torch.float32, device=dev), torch.empty(n, dtype=torch.float32, device=dev)
+    b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 4 * reps / (start.elapsed_time(end) / 1e3)
+
+
+def time_graph(fn, reps: int = 50, warmup: int = 3) -> float:
+    """Median seconds per call of fn replayed from a CUDA graph (fn warmed up eagerly first)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return _median_events(graph.replay, reps)
+
+
+def time_eager(fn, reps: int = 50, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    return _median_events(fn, reps)
+
+
+def _median_events(fn, reps: int) -> float:
+    flush = torch.empty(64 * 2 ** 20, dtype=torch.int8, device="cuda")  # larger than L2: no weight stays cached
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def ptrs(tensors, dev) -> torch.Tensor:
+    """int64 device table of data pointers, as exllamav3's multi-matrix kernels take them."""
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.long, device=dev)
+
+
+def row(cells, widths) -> str:
+    return " ".join(f"{c:>{w}}" for c, w in zip(cells, widths))

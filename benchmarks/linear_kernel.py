@@ -1,0 +1,85 @@
+"""Dense EXL3 linear: xmoe's Triton kernel against exllamav3 1.6.5's exl3_gemm (built in the same run,
+autotuned before timing) and a bf16 matmul, at 1-8 and 1,024+ rows, K 2/3/4 MCG. CUDA graphs, L2 flushed.
+
+    python benchmarks/linear_kernel.py [--rows 1 4 8 1024 4096] [--no-stock] [--json F]
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+from cases import random_weight  # noqa: E402
+from common import copy_bandwidth, row, time_eager, time_graph  # noqa: E402
+
+from xmoe.kernels import ops  # noqa: E402
+
+SHAPES = [(5120, 5120), (5120, 2304), (2304, 5120)]
+
+
+def case(ext, k, n, K, M, bw, dev):
+    w = random_weight(k, n, K, "mcg", device=dev)
+    x = torch.randn(M, k, device=dev, dtype=torch.half)
+    ours = time_graph(lambda: ops.exl3_linear(x, w, backend="triton"))
+    nbytes = w.trellis.numel() * 2
+    dense = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+    xb = x.bfloat16()
+    r = dict(k=k, n=n, K=K, rows=M, ours_us=ours * 1e6, ours_gbs=nbytes / ours / 1e9,
+             ours_pct_bw=100 * nbytes / ours / bw, ours_tweights=k * n / ours / 1e12,
+             bf16_us=time_graph(lambda: xb @ dense) * 1e6)
+    if ext is not None:
+        y, xh = torch.empty(M, n, device=dev, dtype=torch.half), torch.empty_like(x)
+        stock_fn = lambda: ext.exl3_gemm(x, w.trellis, y, w.suh, xh, w.svh, -1, True, False, 0)  # noqa: E731
+        try:
+            stock_fn()  # autotunes outside the capture
+            try:
+                t = time_graph(stock_fn)
+            except Exception:
+                t = time_eager(stock_fn)
+            got = ops.exl3_linear(x, w, backend="triton").float()
+            r.update(stock_us=t * 1e6, speedup=t / ours,
+                     max_rel_diff=float((got - y.float()).abs().max() / y.float().abs().max()))
+        except Exception as e:
+            r["stock_error"] = repr(e)[:200]
+    return r
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 1024, 4096])
+    p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--no-stock", action="store_true")
+    p.add_argument("--json")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
+    ext = None
+    if not args.no_stock:
+        from stock import load_stock
+        ext = load_stock()
+    widths = (11, 2, 5, 9, 9, 8, 7, 6, 6, 9, 8)
+    print(row(("k x n", "K", "rows", "stock us", "ours us", "speedup", "GB/s", "%bw", "Tw/s", "bf16 us", "rel diff"),
+              widths))
+    results = []
+    for k, n in SHAPES:
+        for K in args.bits:
+            for M in args.rows:
+                r = case(ext, k, n, K, M, bw, dev)
+                results.append(r)
+                print(row((f"{k}x{n}", K, M, f"{r.get('stock_us', 0):.1f}", f"{r['ours_us']:.1f}",
+                           f"{r.get('speedup', 0):.2f}", f"{r['ours_gbs']:.0f}", f"{r['ours_pct_bw']:.1f}",
+                           f"{r['ours_tweights']:.2f}", f"{r['bf16_us']:.1f}", f"{r.get('max_rel_diff', 0):.1e}"),
+                          widths), flush=True)
+                if "stock_error" in r:
+                    print(f"  stock_error: {r['stock_error']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), copy_gbs=bw / 1e9,
+                                                   cases=results), indent=1))
+
+
+if __name__ == "__main__":
+    main()

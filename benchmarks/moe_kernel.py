@@ -1,0 +1,208 @@
+"""Fused EXL3 MoE: xmoe's Triton kernel against exllamav3 1.6.5 ("stock", built in the same run) at
+DeepSeek-V4.1's per-rank shapes (TP2: 384 experts, hidden 5120, intermediate 1152, top-6, K=2 MCG).
+
+Stock is driven the way its BlockSparseMLP drives it: the cooperative decode kernels (exl3_moe_coop) up to
+8 tokens, the fused exl3_moe kernel beyond (argsort and bincount included; its host-side count of active
+experts is done outside the timing, which favours stock), and a reconstruct + matmul loop for experts
+with more rows than exl3_moe takes. Both are timed from CUDA graphs where they capture, L2 flushed.
+
+    python benchmarks/moe_kernel.py [--tokens 6 12 24 48 1542 4096] [--no-stock] [--layers 40] [--json F]
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+from cases import random_experts, routing  # noqa: E402
+from common import copy_bandwidth, ptrs, row, time_eager, time_graph  # noqa: E402
+
+from xmoe.kernels import ops  # noqa: E402
+
+E, H, I, TOPK, K = 384, 5120, 1152, 6, 2
+
+
+class Stock:
+    """exllamav3's MoE paths over the same expert tensors (pointer tables into the stacked tensors)."""
+
+    def __init__(self, ext, experts, dev):
+        self.ext, self.dev = ext, dev
+        self.tables = []
+        for w in (experts.gate, experts.up, experts.down):
+            self.tables += [ptrs(list(w.trellis), dev), ptrs(list(w.suh), dev), ptrs(list(w.svh), dev)]
+        self.experts = experts
+        S = 8 * TOPK
+        h = lambda *s, dt=torch.half: torch.empty(s, dtype=dt, device=dev)  # noqa: E731
+        self.coop = (h(S, H), h(S, H), h(S, I), h(S, I), h(S, I), h(S, H, dt=torch.float))
+        self.coop_out = h(8, H, dt=torch.float)
+        self.ctr = torch.zeros(S * (I // 128) + 8 * (H // 128) + 2 + (S + 1) + S, dtype=torch.int, device=dev)
+        self.R = 128
+        cc = ext.exl3_moe_max_concurrency(dev.index)
+        self.temp = (h(cc, self.R, H), h(cc, self.R, H), h(cc, self.R, I), h(cc, self.R, I))
+
+    def decode(self, x, sel, rw):
+        self.ext.exl3_moe_coop(x, sel, rw, -1, -1, H, *self.tables, None, None, None, float(K), float(K), float(K),
+                               True, False, 0, 0.0, True, *self.coop, self.ctr, self.coop_out, None, None)
+        return self.coop_out[:x.shape[0]]
+
+    def fused(self, x, sel, rw, num_active, hot):
+        T = x.shape[0]
+        flat_e, flat_w = sel.reshape(-1), rw.reshape(-1)
+        flat_t = torch.arange(T, device=self.dev).repeat_interleave(TOPK)
+        order = flat_e.argsort()
+        count = torch.bincount(flat_e, minlength=E + 1)
+        out = torch.zeros(T, H, dtype=torch.float, device=self.dev)
+        self.ext.exl3_moe(x, out, count, flat_t[order], flat_w[order], *self.temp, 0, float(K), float(K), float(K),
+                          *self.tables, True, False, True, False, True, False, 0.0, num_active, None, None, 1,
+                          self.R, 16)
+        for e, tok, w in hot:  # experts above R rows: reconstruct, then fp16 matmuls
+            g, u, d = (self._dense(p, e) for p in (self.experts.gate, self.experts.up, self.experts.down))
+            xs = x[tok]
+            a = torch.nn.functional.silu(xs @ g) * (xs @ u)
+            out.index_add_(0, tok, (a @ d).float() * w[:, None].float())
+        return out
+
+    def _dense(self, w, e):
+        W = torch.empty(w.k, w.n, dtype=torch.half, device=self.dev)
+        self.ext.reconstruct_had_slice(W, w.trellis[e], w.suh[e], w.svh[e], float(K), True, False, 0)
+        return W
+
+
+def touched_bytes(experts, ids) -> tuple[int, int]:
+    """(bytes of expert weights the call must read, number of distinct experts)."""
+    unique = ids.unique().numel()
+    per = sum(w.trellis[0].numel() * 2 + w.suh[0].numel() * 2 + w.svh[0].numel() * 2
+              for w in (experts.gate, experts.up, experts.down))
+    return unique * per, unique
+
+
+def bf16_grouped(x, ids, weights, dense):
+    """Baseline for prefill: the same MoE on bf16 weights with torch's grouped GEMM (a loop if absent)."""
+    order = ids.reshape(-1).argsort()
+    tok = order // TOPK
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    offs = counts.cumsum(0).int()
+    xs = x[tok].bfloat16()
+    gate, up, down = dense
+    h = torch.nn.functional.silu(torch._grouped_mm(xs, gate, offs=offs)) * torch._grouped_mm(xs, up, offs=offs)
+    y = torch._grouped_mm(h, down, offs=offs)
+    out = torch.zeros(x.shape[0], H, dtype=torch.float, device=x.device)
+    return out.index_add_(0, tok, y.float() * weights.reshape(-1)[order, None])
+
+
+def run_case(T, skew, experts, stock, bw, dense, dev):
+    ids, weights = routing(T, E, TOPK, skew, seed=T, device=dev)
+    x = torch.randn(T, H, device=dev, dtype=torch.half)
+    ours = time_graph(lambda: ops.fused_moe(x, ids, weights, experts, backend="triton"))
+    nbytes, unique = touched_bytes(experts, ids)
+    result = dict(tokens=T, routing="skewed" if skew else "uniform", unique_experts=unique, mbytes=nbytes / 1e6,
+                  ours_us=ours * 1e6, ours_gbs=nbytes / ours / 1e9, ours_pct_bw=100 * nbytes / ours / bw,
+                  ours_tweights=unique * 3 * H * I / ours / 1e12)
+    if stock is not None:
+        sel, rw = ids.contiguous(), weights.half()
+        try:
+            if T <= 8:
+                stock_fn = lambda: stock.decode(x, sel, rw)  # noqa: E731
+                t = time_graph(stock_fn)
+            else:
+                count = torch.bincount(sel.reshape(-1), minlength=E)
+                hot = [(e, *torch.nonzero(sel == e, as_tuple=True)) for e in (count > stock.R).nonzero().flatten().tolist()]
+                hot = [(e, tok, weights[tok, slot].half()) for e, tok, slot in hot]
+                active = -1 if T * TOPK <= stock.R else int(((count >= 1) & (count <= stock.R)).sum())
+                stock_fn = lambda: stock.fused(x, sel, rw, active, hot)  # noqa: E731
+                t = time_eager(stock_fn)
+            ref = stock_fn().float()
+            got = ops.fused_moe(x, ids, weights, experts, backend="triton").float()
+            result.update(stock_us=t * 1e6, speedup=t / ours,
+                          max_rel_diff=float((got - ref).abs().max() / ref.abs().max()))
+        except Exception as e:  # report and keep measuring the other cases
+            result["stock_error"] = repr(e)[:200]
+    if dense is not None and T >= 1024:
+        try:
+            result["bf16_us"] = time_graph(lambda: bf16_grouped(x, ids, weights, dense)) * 1e6
+        except Exception as e:
+            result["bf16_error"] = repr(e)[:200]
+    return result
+
+
+def stack_step(layers, experts, stock, dev, tokens=6):
+    """One decode step through `layers` MoE layers (router, routed experts, bf16 shared expert), graphed."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    routers = [torch.randn(H, E, device=dev, dtype=torch.bfloat16, generator=g) / H ** 0.5 for _ in range(layers)]
+    shared = [tuple(torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=g) / s[0] ** 0.5
+                    for s in ((H, I), (H, I), (I, H))) for _ in range(layers)]
+    x0 = torch.randn(tokens, H, device=dev, dtype=torch.bfloat16)
+
+    def step(moe):
+        x = x0
+        for router, (sg, su, sd) in zip(routers, shared):
+            w, ids = (x @ router).float().softmax(-1).topk(TOPK, dim=-1)
+            w = w / w.sum(-1, keepdim=True)
+            routed = moe(x.half(), ids, w)
+            x = x + routed.to(x.dtype) + (torch.nn.functional.silu(x @ sg) * (x @ su)) @ sd
+        return x
+
+    out = {"layers": layers, "tokens": tokens}
+    out["ours_us"] = time_graph(lambda: step(lambda h, i, w: ops.fused_moe(h, i, w, experts, backend="triton")),
+                                reps=20) * 1e6
+    if stock is not None:
+        try:
+            out["stock_us"] = time_graph(lambda: step(lambda h, i, w: stock.decode(h, i, w.half())), reps=20) * 1e6
+            out["ratio"] = out["ours_us"] / out["stock_us"]
+        except Exception as e:
+            out["stock_error"] = repr(e)[:200]
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[6, 12, 24, 48, 1542, 4096])
+    p.add_argument("--no-stock", action="store_true")
+    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--json")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
+    experts = random_experts(E, H, I, K, "mcg", device=dev)
+    stock = None
+    if not args.no_stock:
+        from stock import load_stock
+        stock = Stock(load_stock(), experts, dev)
+    dense = None
+    if max(args.tokens) >= 1024:
+        g = torch.Generator(device=dev).manual_seed(1)
+        dense = tuple(torch.randn(E, *s, device=dev, dtype=torch.bfloat16, generator=g) / s[0] ** 0.5
+                      for s in ((H, I), (H, I), (I, H)))
+    widths = (6, 8, 6, 8, 10, 10, 8, 8, 6, 8, 10, 9)
+    print(row(("tokens", "routing", "uniq", "MB", "stock us", "ours us", "speedup", "GB/s", "%bw", "Tw/s",
+               "bf16 us", "rel diff"), widths))
+    results = []
+    for T in args.tokens:
+        for skew in (False, True):
+            r = run_case(T, skew, experts, stock, bw, dense, dev)
+            results.append(r)
+            print(row((T, r["routing"], r["unique_experts"], f"{r['mbytes']:.0f}", f"{r.get('stock_us', 0):.1f}",
+                       f"{r['ours_us']:.1f}", f"{r.get('speedup', 0):.2f}", f"{r['ours_gbs']:.0f}",
+                       f"{r['ours_pct_bw']:.1f}", f"{r['ours_tweights']:.2f}", f"{r.get('bf16_us', 0):.0f}",
+                       f"{r.get('max_rel_diff', 0):.1e}"), widths), flush=True)
+            for key in ("stock_error", "bf16_error"):
+                if key in r:
+                    print(f"  {key}: {r[key]}")
+    dense = None
+    torch.cuda.empty_cache()
+    step = stack_step(args.layers, experts, stock, dev) if args.layers else None
+    if step:
+        print(f"\n{step['layers']}-layer MoE step, {step['tokens']} tokens, one CUDA graph: ours "
+              f"{step['ours_us']:.0f} us, stock {step.get('stock_us', 0):.0f} us, ours/stock "
+              f"{step.get('ratio', 0):.2f} {step.get('stock_error', '')}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), copy_gbs=bw / 1e9,
+                                                   cases=results, stack=step), indent=1))
+
+
+if __name__ == "__main__":
+    main()

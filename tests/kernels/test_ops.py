@@ -1,0 +1,163 @@
+"""The Triton EXL3 kernels against the torch references: on the CPU under TRITON_INTERPRET=1 (small shapes,
+in a subprocess since the variable must be set before Triton compiles), and on a GPU over the full grid."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cases import random_experts, random_weight, routing  # noqa: E402
+
+from xmoe.kernels import ops  # noqa: E402
+from xmoe.kernels.reference import exl3_linear_ref, fused_moe_ref  # noqa: E402
+
+# Relative to the output's largest magnitude: fp16 rounding of the rotated activations, and of the output.
+TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3, torch.float32: 2e-3}
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    err = (got.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    assert err <= TOL[got.dtype] * scale + 1e-6, f"{what}: max error {err:.3g} vs output scale {scale:.3g}"
+
+
+def check_linear(M, k, n, K, codebook, bias, device, dtype=torch.float16):
+    w = random_weight(k, n, K, codebook, seed=M + k, device=device)
+    x = torch.randn(M, k, generator=torch.Generator().manual_seed(M)).to(device, dtype)
+    b = torch.randn(n).to(device, dtype) if bias else None
+    got = ops.exl3_linear(x, w, b, backend="triton")
+    assert got.shape == (M, n) and got.dtype == dtype
+    close(got, exl3_linear_ref(x.float(), w, b), f"linear M={M} {k}x{n} K={K} {codebook}")
+
+
+def check_moe(M, E, hidden, inter, top_k, K, codebook, skew, device, limit=None, ep=False, K_down=None):
+    ids, weights = routing(M, E, top_k, skew, seed=M, device=device)
+    x = torch.randn(M, hidden, generator=torch.Generator().manual_seed(E)).to(device, torch.float16)
+    emap = None
+    n_local = E
+    if ep:  # this rank owns the middle half of the experts
+        n_local = E // 2
+        emap = torch.full((E,), -1, dtype=torch.int32)
+        emap[E // 4:E // 4 + n_local] = torch.arange(n_local, dtype=torch.int32)
+        emap = emap.to(device)
+    experts = random_experts(n_local, hidden, inter, K, codebook, K_down, seed=E, device=device)
+    got = ops.fused_moe(x, ids, weights, experts, limit=limit, expert_map=emap, backend="triton")
+    ref = fused_moe_ref(x.float(), ids, weights, experts, limit=limit, expert_map=emap)
+    close(got, ref, f"moe M={M} E={E} {hidden}/{inter} top{top_k} K={K} {codebook} skew={skew} ep={ep}")
+
+
+SMALL_LINEAR = [(1, 128, 128, 2, "mcg", False), (7, 200, 300, 3, "mul1", True), (33, 256, 128, 4, "3inst", False),
+                (5, 128, 256, 2.5, "mul1", False)]
+SMALL_MOE = [dict(M=1, E=8, hidden=128, inter=128, top_k=2, K=2, codebook="mcg", skew=False),
+             dict(M=7, E=8, hidden=200, inter=160, top_k=3, K=3, codebook="mul1", skew=True, K_down=2),
+             dict(M=6, E=16, hidden=128, inter=256, top_k=8, K=4, codebook="3inst", skew=False, limit=0.7),
+             dict(M=33, E=8, hidden=128, inter=128, top_k=1, K=2, codebook="mcg", skew=True, ep=True)]
+
+
+def run_interpreted(code: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
+    run = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+                          f"from test_ops import *\n{code}"], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+
+
+def test_linear_interpreter():
+    pytest.importorskip("triton")
+    run_interpreted("\n".join(f"check_linear(*{c}, 'cpu')" for c in SMALL_LINEAR) +
+                    "\ncheck_linear(3, 128, 128, 2, 'mcg', True, 'cpu', torch.bfloat16)")
+
+
+def test_moe_interpreter():
+    pytest.importorskip("triton")
+    run_interpreted("\n".join(f"check_moe(**{c}, device='cpu')" for c in SMALL_MOE))
+
+
+def test_route_groups_slots_by_expert():
+    ids = torch.tensor([[3, 1], [1, 0], [3, 1], [2, 3]])
+    r = ops.route(ids, experts=4, BM=2)
+    pos, length, expert, count, bound = r.chunks
+    n = int(count)
+    chunks = [(int(p), int(c), int(e)) for p, c, e in zip(pos[:n], length[:n], expert[:n])]
+    # expert 0: slot (1,1); expert 1: slots (0,1),(1,0),(2,1) cut at BM=2; expert 2: (3,0); expert 3: (0,0),(2,0),(3,1)
+    assert chunks == [(0, 1, 0), (1, 2, 1), (3, 1, 1), (4, 1, 2), (5, 2, 3), (7, 1, 3)]
+    assert bound >= n
+    flat = ids.reshape(-1)
+    assert torch.equal(r.sorted_expert[r.slot_pos.long()].long(), flat)
+    assert torch.equal(r.rows[r.slot_pos.long()].long(), torch.arange(8) // 2)
+
+
+def test_route_expert_map_drops_other_ranks():
+    ids = torch.tensor([[0, 5], [4, 1]])
+    emap = torch.tensor([-1, -1, -1, -1, 0, 1, -1, -1])
+    r = ops.route(ids, experts=2, BM=16, expert_map=emap)
+    assert r.slot_expert.tolist() == [-1, 1, 0, -1]
+    assert int(r.chunks[3]) == 2
+
+
+def test_backend_choice_is_explicit():
+    x = torch.randn(2, 128)
+    w = random_weight(128, 128, 2, "mcg")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(RuntimeError, match="CPU"):
+            ops.exl3_linear(x, w, backend="triton")
+    assert ops.pick_backend("auto", torch.device("cpu")) in ("torch", "triton")
+    with pytest.raises(ValueError, match="backend"):
+        ops.exl3_linear(x, w, backend="cuda")
+    close(ops.exl3_linear(x, w, backend="torch"), exl3_linear_ref(x, w), "torch backend")
+
+
+def test_shape_errors_name_the_problem():
+    w = random_weight(128, 256, 2, "mcg")
+    with pytest.raises(ValueError, match="takes 128"):
+        ops.exl3_linear(torch.randn(2, 64), w, backend="torch")
+    experts = random_experts(4, 128, 128, 2, "mcg")
+    with pytest.raises(ValueError, match="top_k"):
+        ops.fused_moe(torch.randn(3, 128), torch.zeros(3, 2, dtype=torch.long), torch.ones(2, 2), experts)
+
+
+GPU_LINEAR = [(M, k, n, K, cb, bias) for M in (1, 6, 7, 33, 222, 1542) for (k, n) in ((576, 1536), (5120, 1152))
+              for K, cb in ((2, "mcg"), (3, "mul1"), (4, "3inst")) for bias in (False,)] + \
+             [(8, 2048, 640, 2.5, "mul1", True), (1, 4096, 4096, 8, "mcg", False), (64, 1000, 300, 1, "mcg", True)]
+GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
+           for M in (1, 6, 7, 33, 222, 1542) for (E, h, i, k) in ((8, 576, 1536, 2), (384, 1024, 384, 6))
+           for K, cb in ((2, "mcg"), (3, "mul1"), (4, "3inst")) for s in (False, True)] + \
+          [dict(M=6, E=64, hidden=640, inter=256, top_k=8, K=2, codebook="mcg", skew=False, limit=10.0),
+           dict(M=48, E=128, hidden=5120, inter=1152, top_k=6, K=2, codebook="mcg", skew=True, ep=True),
+           dict(M=12, E=32, hidden=300, inter=200, top_k=4, K=2, codebook="mul1", skew=False, K_down=3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_LINEAR, ids=str)
+def test_linear_gpu(case):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    check_linear(*case, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_MOE, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_moe_gpu(case):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    check_moe(**case, device="cuda")
+
+
+@pytest.mark.gpu
+def test_moe_cuda_graph_replay_equals_eager():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    experts = random_experts(64, 1024, 512, 2, "mcg", device="cuda")
+    ids, weights = routing(6, 64, 6, False, device="cuda")
+    x = torch.randn(6, 1024, device="cuda", dtype=torch.float16)
+    eager = ops.fused_moe(x, ids, weights, experts, backend="triton")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.fused_moe(x, ids, weights, experts, backend="triton")
+    for seed in range(3):  # new routing and inputs each replay, written into the captured buffers
+        new_ids, new_w = routing(6, 64, 6, True, seed=seed + 1, device="cuda")
+        ids.copy_(new_ids), weights.copy_(new_w), x.normal_()
+        graph.replay()
+        assert torch.equal(out, ops.fused_moe(x, ids, weights, experts, backend="triton"))
