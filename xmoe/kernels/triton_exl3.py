@@ -15,8 +15,7 @@ come from a 256-entry table per K (position_table), hoisted out of the K loop.
 import triton
 import triton.language as tl
 
-BK = 128  # rows of weights per K step: one Hadamard block, so the input rotation can be fused
-RSQRT128 = 0.08838834764831845  # the Hadamard matrix is passed as exact ±1 and scaled in fp32
+BK = tl.constexpr(128)  # rows of weights per K step: one Hadamard block, so the input rotation is fused
 
 
 @triton.jit
