@@ -40,7 +40,7 @@ class Stock:
         self.coop_out = h(8, H, dt=torch.float)
         self.ctr = torch.zeros(S * (I // 128) + 8 * (H // 128) + 2 + (S + 1) + S, dtype=torch.int, device=dev)
         self.R = 128
-        cc = ext.exl3_moe_max_concurrency(dev.index)
+        cc = ext.exl3_moe_max_concurrency(torch.cuda.current_device())
         self.temp = (h(cc, self.R, H), h(cc, self.R, H), h(cc, self.R, I), h(cc, self.R, I))
 
     def decode(self, x, sel, rw):
@@ -157,17 +157,45 @@ def stack_step(layers, experts, stock, dev, tokens=6):
     return out
 
 
+def sweep(experts, dev, tokens):
+    """Time fused_moe under each launch setting (same for both GEMMs but the K split, which plan picks)."""
+    default = ops.plan
+    for T in tokens:
+        ids, weights = routing(T, E, TOPK, False, seed=T, device=dev)
+        x = torch.randn(T, H, device=dev, dtype=torch.half)
+        for BN in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (1, 2):
+                    for split_scale in (0.5, 1, 2):
+                        def chosen(chunks, n, k, rows, sms, dual=False):
+                            base = default(chunks, n, k, rows, sms, dual)
+                            split = max(1, min(k // 128, round(base.split * split_scale * 64 / BN)))
+                            return ops.Launch(base.BM, BN, split, warps, 1 if dual and BN > 32 else stages)
+                        ops.plan = chosen
+                        try:
+                            t = time_graph(lambda: ops.fused_moe(x, ids, weights, experts, backend="triton"), reps=20)
+                            print(f"sweep T={T} BN={BN} warps={warps} stages={stages} split x{split_scale}: "
+                                  f"{t * 1e6:.1f} us", flush=True)
+                        except Exception as e:
+                            print(f"sweep T={T} BN={BN} warps={warps} stages={stages}: {repr(e)[:80]}")
+    ops.plan = default
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[6, 12, 24, 48, 1542, 4096])
     p.add_argument("--no-stock", action="store_true")
     p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--sweep", action="store_true", help="time launch settings of the gate/up and down GEMMs")
     p.add_argument("--json")
     args = p.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
     experts = random_experts(E, H, I, K, "mcg", device=dev)
+    if args.sweep:
+        sweep(experts, dev, args.tokens)
+        return
     stock = None
     if not args.no_stock:
         from stock import load_stock

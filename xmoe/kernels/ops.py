@@ -55,20 +55,22 @@ def pick_backend(backend: str, device: torch.device) -> str:
 
 @dataclass(frozen=True)
 class Launch:
-    """Tile sizes of one grouped-GEMM launch: rows per chunk, columns per program, K splits, warps."""
+    """Tile sizes of one grouped-GEMM launch: rows per chunk, columns per program, K splits, warps, and
+    pipeline stages (the gathered trellis words are staged per element, so stages cost shared memory)."""
     BM: int
     BN: int
     split: int
-    warps: int
+    warps: int = 4
+    stages: int = 2
 
 
-def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int) -> Launch:
+def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, dual: bool = False) -> Launch:
     """Enough programs to fill the GPU about four times over at decode; whole K per program in prefill."""
     BM = 16 if rows_per_chunk <= 16 else 64
     BN = 64
     programs = max(chunks, 1) * (n // BN)
     split = max(1, min(k // 128, -(-4 * sms // programs)))
-    return Launch(BM, BN, split, 4)
+    return Launch(BM, BN, split, 4, 1 if dual else 2)
 
 
 @lru_cache(maxsize=None)
@@ -102,7 +104,8 @@ def _gemm(a, rows, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, rot
                        _windows(w.K, str(a.device)), p0, p1 if p1 is not None else p0,
                        p0.shape[1], w.k, w.n, stride_te, stride_se,
                        W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], DUAL=second is not None, ROTATE=rotate,
-                       BM=launch.BM, BN=launch.BN, SPLIT=launch.split, num_warps=launch.warps)
+                       BM=launch.BM, BN=launch.BN, SPLIT=launch.split, num_warps=launch.warps,
+                       num_stages=launch.stages)
 
 
 def _padded_rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -128,8 +131,8 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     BM = launch.BM
     dev = x.device
     pos = torch.arange(0, M, BM, device=dev, dtype=torch.int32)
-    chunks = (pos, (M - pos).clamp(max=BM), torch.zeros_like(pos), torch.tensor([len(pos)], device=dev,
-              dtype=torch.int32), len(pos))
+    count = torch.full((1,), len(pos), device=dev, dtype=torch.int32)
+    chunks = (pos, (M - pos).clamp(max=BM), torch.zeros_like(pos), count, len(pos))
     part = torch.empty(launch.split, M, w.n, device=dev, dtype=torch.float32)
     _gemm(a, torch.arange(M, device=dev, dtype=torch.int32), chunks, w, part, None, None, True, launch)
     out = torch.empty(M, w.out_features, device=dev, dtype=x.dtype)
@@ -197,9 +200,9 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     g, d = experts.gate, experts.down
     sms = _sms(dev)
     unique = min(P, E)
-    up_launch = plan(unique, g.n, g.k, P / unique, sms)
+    up_launch = plan(unique, g.n, g.k, P / unique, sms, dual=True)
     down_launch = plan(unique, d.n, d.k, P / unique, sms)
-    down_launch = Launch(up_launch.BM, down_launch.BN, down_launch.split, down_launch.warps)  # same chunks
+    down_launch = Launch(up_launch.BM, down_launch.BN, down_launch.split, down_launch.warps, down_launch.stages)
     r = route(topk_ids, E, up_launch.BM, expert_map)
     a = _padded_rows(x, g.k)
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
