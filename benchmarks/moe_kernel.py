@@ -106,7 +106,11 @@ def run_case(T, skew, experts, stock, bw, dense, dev):
         try:
             if T <= 8:
                 stock_fn = lambda: stock.decode(x, sel, rw)  # noqa: E731
-                t = time_graph(stock_fn)
+                try:
+                    t = time_graph(stock_fn)
+                except Exception as e:
+                    print(f"  stock decode does not capture ({repr(e)[:80]}); timed eagerly")
+                    t = time_eager(stock_fn)
             else:
                 count = torch.bincount(sel.reshape(-1), minlength=E)
                 hot = [(e, *torch.nonzero(sel == e, as_tuple=True)) for e in (count > stock.R).nonzero().flatten().tolist()]
@@ -164,9 +168,9 @@ def sweep(experts, dev, tokens):
         ids, weights = routing(T, E, TOPK, False, seed=T, device=dev)
         x = torch.randn(T, H, device=dev, dtype=torch.half)
         for BN in (32, 64, 128):
-            for warps in (2, 4, 8):
+            for warps in (4, 8):
                 for stages in (1, 2):
-                    for split_scale in (0.5, 1, 2):
+                    for split_scale in (1,):
                         def chosen(chunks, n, k, rows, sms, dual=False):
                             base = default(chunks, n, k, rows, sms, dual)
                             split = max(1, min(k // 128, round(base.split * split_scale * 64 / BN)))
