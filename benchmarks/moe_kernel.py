@@ -162,26 +162,26 @@ def stack_step(layers, experts, stock, dev, tokens=6):
 
 
 def sweep(experts, dev, tokens):
-    """Time fused_moe under each launch setting (same for both GEMMs but the K split, which plan picks)."""
+    """Time fused_moe under each launch setting (both GEMMs; plan still picks the K split)."""
     default = ops.plan
     for T in tokens:
         ids, weights = routing(T, E, TOPK, False, seed=T, device=dev)
         x = torch.randn(T, H, device=dev, dtype=torch.half)
-        for BN in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (1, 2):
-                    for split_scale in (1,):
+        for BK in (16, 32, 64):
+            for BN in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (1, 2, 3):
                         def chosen(chunks, n, k, rows, sms, dual=False):
                             base = default(chunks, n, k, rows, sms, dual)
-                            split = max(1, min(k // 128, round(base.split * split_scale * 64 / BN)))
-                            return ops.Launch(base.BM, BN, split, warps, 1 if dual and BN > 32 else stages)
+                            split = max(1, min(k // BK, -(-4 * sms // (max(chunks, 1) * (n // BN)))))
+                            return ops.Launch(base.BM, BN, split, BK, warps, stages)
                         ops.plan = chosen
                         try:
-                            t = time_graph(lambda: ops.fused_moe(x, ids, weights, experts, backend="triton"), reps=20)
-                            print(f"sweep T={T} BN={BN} warps={warps} stages={stages} split x{split_scale}: "
-                                  f"{t * 1e6:.1f} us", flush=True)
+                            t = time_graph(lambda: ops.fused_moe(x, ids, weights, experts, backend="triton"), reps=10)
+                            print(f"sweep T={T} BK={BK} BN={BN} warps={warps} stages={stages}: {t * 1e6:.1f} us",
+                                  flush=True)
                         except Exception as e:
-                            print(f"sweep T={T} BN={BN} warps={warps} stages={stages}: {repr(e)[:80]}")
+                            print(f"sweep T={T} BK={BK} BN={BN} warps={warps} stages={stages}: {repr(e)[:80]}")
     ops.plan = default
 
 

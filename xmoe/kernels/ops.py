@@ -60,6 +60,7 @@ class Launch:
     BM: int
     BN: int
     split: int
+    BK: int = 32
     warps: int = 4
     stages: int = 2
 
@@ -67,10 +68,10 @@ class Launch:
 def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, dual: bool = False) -> Launch:
     """Enough programs to fill the GPU about four times over at decode; whole K per program in prefill."""
     BM = 16 if rows_per_chunk <= 16 else 64
-    BN = 64
+    BN, BK = 64, 32
     programs = max(chunks, 1) * (n // BN)
-    split = max(1, min(k // 128, -(-4 * sms // programs)))
-    return Launch(BM, BN, split, 4, 1 if dual else 2)
+    split = max(1, min(k // BK, -(-4 * sms // programs)))
+    return Launch(BM, BN, split, BK, 4, 1 if dual else 2)
 
 
 @lru_cache(maxsize=None)
@@ -90,21 +91,30 @@ def _sms(device: torch.device) -> int:
 CODEBOOK_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 
-def _gemm(a, rows, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, rotate: bool, launch: Launch):
+def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int):
+    """Rotated fp16 inputs (P, k): H_128 (x[rows[pos]] * suh[expert[pos]]), and the same with second's suh."""
+    from .triton_exl3 import rotate_rows
+    a0 = torch.empty(P, w.k, device=x.device, dtype=torch.float16)
+    a1 = torch.empty_like(a0) if second is not None else a0
+    stride_se = w.suh.shape[-1] if w.experts else 0
+    rotate_rows[(-(-P // 16), w.k // 128)](x, x.stride(0), rows, expert, w.suh, (second or w).suh, a0, a1,
+                                           _had(str(x.device)), P, w.k, max(w.experts, 1), stride_se,
+                                           DUAL=second is not None, BM=16)
+    return a0, a1
+
+
+def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, launch: Launch):
     """Launch grouped_gemm over `chunks` = (pos, len, expert, count, bound) into partials p0 (and p1)."""
     from .triton_exl3 import grouped_gemm
     pos, length, expert, count, bound = chunks
     words = w.trellis.view(torch.int32)
     stride_te = words[0].numel() if w.experts else 0
-    stride_se = w.suh.shape[-1] if w.experts else 0
-    other = second if second is not None else w
+    other = (second if second is not None else w).trellis.view(torch.int32)
     grid = (bound, w.n // launch.BN, launch.split)
-    grouped_gemm[grid](a, a.stride(0), rows, pos, length, expert, count,
-                       words, w.suh, other.trellis.view(torch.int32), other.suh, _had(str(a.device)),
-                       _windows(w.K, str(a.device)), p0, p1 if p1 is not None else p0,
-                       p0.shape[1], w.k, w.n, stride_te, stride_se,
-                       W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], DUAL=second is not None, ROTATE=rotate,
-                       BM=launch.BM, BN=launch.BN, SPLIT=launch.split, num_warps=launch.warps,
+    grouped_gemm[grid](a0, a1, pos, length, expert, count, words, other, _windows(w.K, str(a0.device)),
+                       p0, p1 if p1 is not None else p0, p0.shape[1], w.k, w.n, stride_te,
+                       W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], DUAL=second is not None,
+                       BM=launch.BM, BN=launch.BN, BK=launch.BK, SPLIT=launch.split, num_warps=launch.warps,
                        num_stages=launch.stages)
 
 
@@ -134,7 +144,9 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     count = torch.full((1,), len(pos), device=dev, dtype=torch.int32)
     chunks = (pos, (M - pos).clamp(max=BM), torch.zeros_like(pos), count, len(pos))
     part = torch.empty(launch.split, M, w.n, device=dev, dtype=torch.float32)
-    _gemm(a, torch.arange(M, device=dev, dtype=torch.int32), chunks, w, part, None, None, True, launch)
+    rows = torch.arange(M, device=dev, dtype=torch.int32)
+    a0, _ = _rotate(a, rows, torch.zeros_like(rows), w, None, M)
+    _gemm(a0, a0, chunks, w, part, None, None, launch)
     out = torch.empty(M, w.out_features, device=dev, dtype=x.dtype)
     linear_epilogue[(-(-M // 16), w.n // 128)](part, w.svh, bias if bias is not None else w.svh, out, _had(str(dev)),
                                                M, w.n, w.out_features, HAS_BIAS=bias is not None,
@@ -202,19 +214,20 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     unique = min(P, E)
     up_launch = plan(unique, g.n, g.k, P / unique, sms, dual=True)
     down_launch = plan(unique, d.n, d.k, P / unique, sms)
-    down_launch = Launch(up_launch.BM, down_launch.BN, down_launch.split, down_launch.warps, down_launch.stages)
+    down_launch = Launch(up_launch.BM, down_launch.BN, down_launch.split, down_launch.BK, down_launch.warps,
+                         down_launch.stages)
     r = route(topk_ids, E, up_launch.BM, expert_map)
     a = _padded_rows(x, g.k)
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
     pu = torch.empty_like(pg)
-    _gemm(a, r.rows, r.chunks, g, pg, pu, experts.up, True, up_launch)
+    a0, a1 = _rotate(a, r.rows, r.sorted_expert, g, experts.up, P)
+    _gemm(a0, a1, r.chunks, g, pg, pu, experts.up, up_launch)
     mid = torch.empty(P, g.n, device=dev, dtype=torch.float16)
     act_epilogue[(-(-P // 16), g.n // 128)](pg, pu, r.sorted_expert, g.svh, experts.up.svh, d.suh, _had(str(dev)),
                                             mid, P, g.n, experts.intermediate, E, float(limit or 0.0),
                                             HAS_LIMIT=limit is not None, SPLIT=up_launch.split, BM=16)
     pd = torch.empty(down_launch.split, P, d.n, device=dev, dtype=torch.float32)
-    identity = torch.arange(P, device=dev, dtype=torch.int32)
-    _gemm(mid, identity, r.chunks, d, pd, None, None, False, down_launch)
+    _gemm(mid, mid, r.chunks, d, pd, None, None, down_launch)
     out = torch.empty(M, experts.hidden, device=dev, dtype=x.dtype)
     combine_epilogue[(-(-M // 16), d.n // 128)](pd, r.slot_pos, r.slot_expert, topk_weights.reshape(-1), d.svh,
                                                 _had(str(dev)), out, M, P, d.n, experts.hidden, TOPK=top_k,

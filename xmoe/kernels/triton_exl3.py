@@ -1,5 +1,5 @@
-"""Triton kernels for EXL3 weights: a grouped GEMM that decodes the trellis in registers, and the small
-epilogue kernels that finish the 128-wide output Hadamards.
+"""Triton kernels for EXL3 weights: a grouped GEMM that decodes the trellis in registers, a prologue that
+rotates its input rows, and the small epilogues that finish the 128-wide output Hadamards.
 
 One grouped GEMM serves dense layers and experts. Its rows come in *chunks* of at most BM rows that share
 one weight (a dense layer: consecutive rows; a MoE: the tokens routed to one expert, from a device-side
@@ -10,12 +10,10 @@ that an epilogue sums in a fixed order (deterministic, no atomics), then rotates
 
 Decode per weight: two word loads (L1 hits: a tile's 8K words feed 256 weights), a funnel shift, the
 codebook arithmetic (format/codebook.py), fp16. The word offsets and shifts of the 256 positions of a tile
-come from a 256-entry table per K (position_table), hoisted out of the K loop.
+come from a 256-entry table per K (format.state_windows), hoisted out of the K loop.
 """
 import triton
 import triton.language as tl
-
-BK = tl.constexpr(128)  # rows of weights per K step: one Hadamard block, so the input rotation is fused
 
 
 @triton.jit
@@ -47,22 +45,44 @@ def decode_block(words, lo_off, hi_off, shift, CB: tl.constexpr):
 
 
 @triton.jit
-def rotate_in(a, scale, had):
-    """H_128 (a * scale) for a (BM, 128): the input side of W = diag(suh) H W-hat H diag(svh)."""
-    a = (a.to(tl.float32) * scale[None, :].to(tl.float32)).to(tl.float16)
-    return (tl.dot(a, had) * 0.08838834764831845).to(tl.float16)
+def rotate_out(acc, had):
+    """H_128 acc for fp32 acc (BM, 128): two fp16 MMAs on the high and low halves keep ~fp32 accuracy."""
+    hi = acc.to(tl.float16)
+    lo = (acc - hi.to(tl.float32)).to(tl.float16)
+    return (tl.dot(hi, had) + tl.dot(lo, had)) * 0.08838834764831845
 
 
 @triton.jit
-def grouped_gemm(a_ptr, stride_a, rows_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, n_chunks_ptr,
-                 t0_ptr, s0_ptr, t1_ptr, s1_ptr, had_ptr, table_ptr, p0_ptr, p1_ptr,
-                 P, k, n, stride_te, stride_se,
-                 W: tl.constexpr, CB: tl.constexpr, DUAL: tl.constexpr, ROTATE: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
-    """Partial products p[split, pos, n] = A[rows[pos]] (rotated) @ W-hat[e] over this split's K range.
+def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr, out1_ptr, had_ptr, P, k, E,
+                stride_se, DUAL: tl.constexpr, BM: tl.constexpr):
+    """out[pos] = H_128 (x[rows[pos]] * suh[expert[pos]]) in fp16, per 128-column block: the rotated input of
+    the grouped GEMM (DUAL: a second suh, for up beside gate). Positions of other ranks' experts are skipped."""
+    pos = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    e = tl.load(expert_ptr + pos, mask=pos < P, other=E).to(tl.int64)
+    mask = ((pos < P) & (e < E))[:, None]
+    row = tl.load(rows_ptr + pos, mask=pos < P, other=0).to(tl.int64)
+    x = tl.load(x_ptr + row[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    had = tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
+    vec = e[:, None] * stride_se + cols[None, :]
+    out = pos.to(tl.int64)[:, None] * k + cols[None, :]
+    y = rotate_out(x * tl.load(s0_ptr + vec, mask=mask, other=0.0).to(tl.float32), had)
+    tl.store(out0_ptr + out, y.to(tl.float16), mask=mask)
+    if DUAL:
+        y = rotate_out(x * tl.load(s1_ptr + vec, mask=mask, other=0.0).to(tl.float32), had)
+        tl.store(out1_ptr + out, y.to(tl.float16), mask=mask)
 
-    a (rows, k) fp16/bf16; trellis as int32 words (E, k/16, n/16, W); suh (E, k) fp16; had (128, 128) ±1 fp16;
-    p (SPLIT, P, n) fp32. DUAL decodes a second weight (up) against the same rows.
+
+@triton.jit
+def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, n_chunks_ptr,
+                 t0_ptr, t1_ptr, table_ptr, p0_ptr, p1_ptr, P, k, n, stride_te,
+                 W: tl.constexpr, CB: tl.constexpr, DUAL: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+    """Partial products p[split, pos, n] = a[pos] @ W-hat[e] over this split's K range, for the rows of one
+    chunk (consecutive positions pos0 .. pos0+len-1 that share expert e).
+
+    a (P, k) fp16, already rotated; trellis as int32 words (E, k/16, n/16, W); p (SPLIT, P, n) fp32.
+    DUAL decodes a second weight (up) against its own rotated rows a1.
     """
     pid_c = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -74,11 +94,11 @@ def grouped_gemm(a_ptr, stride_a, rows_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_
     e = tl.load(chunk_expert_ptr + pid_c).to(tl.int64)
     m = tl.arange(0, BM)
     live = m < count
-    row = tl.load(rows_ptr + pos0 + m, mask=live, other=0).to(tl.int64)
+    pos = (pos0 + m).to(tl.int64)
     kr = tl.arange(0, BK)
     cols = pid_n * BN + tl.arange(0, BN)
 
-    # Word offsets of every weight of a (128, BN) block, relative to its first k-tile row.
+    # Word offsets of every weight of a (BK, BN) block, relative to the block's first k-tile row.
     r = kr[:, None]
     c = tl.arange(0, BN)[None, :]
     entry = tl.load(table_ptr + (r % 16) * 16 + c % 16)
@@ -88,8 +108,6 @@ def grouped_gemm(a_ptr, stride_a, rows_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_
     hi_off = tile + ((entry >> 8) & 0xFF)
     shift = (entry >> 16).to(tl.uint32)
 
-    if ROTATE:
-        had = tl.load(had_ptr + kr[:, None] * BK + kr[None, :])
     steps = k // BK
     per = tl.cdiv(steps, SPLIT)
     first = pid_s * per
@@ -99,21 +117,14 @@ def grouped_gemm(a_ptr, stride_a, rows_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_
     w0_base = t0_ptr + e * stride_te
     w1_base = t1_ptr + e * stride_te
     for step in range(first, last):
-        kk = step * BK
-        a = tl.load(a_ptr + row[:, None] * stride_a + kk + kr[None, :], mask=live[:, None], other=0.0)
+        a_off = pos[:, None] * k + step * BK + kr[None, :]
         block = step * (BK // 16) * n_tiles * W  # within one expert: fits int32
-        if ROTATE:
-            a0 = rotate_in(a, tl.load(s0_ptr + e * stride_se + kk + kr), had)
-        else:
-            a0 = a.to(tl.float16)
-        acc0 = tl.dot(a0, decode_block(w0_base + block, lo_off, hi_off, shift, CB), acc0)
+        a = tl.load(a0_ptr + a_off, mask=live[:, None], other=0.0)
+        acc0 = tl.dot(a, decode_block(w0_base + block, lo_off, hi_off, shift, CB), acc0)
         if DUAL:
-            if ROTATE:
-                a1 = rotate_in(a, tl.load(s1_ptr + e * stride_se + kk + kr), had)
-            else:
-                a1 = a0
-            acc1 = tl.dot(a1, decode_block(w1_base + block, lo_off, hi_off, shift, CB), acc1)
-    out = (pid_s * P + pos0 + m).to(tl.int64)[:, None] * n + cols[None, :]
+            a = tl.load(a1_ptr + a_off, mask=live[:, None], other=0.0)
+            acc1 = tl.dot(a, decode_block(w1_base + block, lo_off, hi_off, shift, CB), acc1)
+    out = (pid_s * P + pos)[:, None] * n + cols[None, :]
     tl.store(p0_ptr + out, acc0, mask=live[:, None])
     if DUAL:
         tl.store(p1_ptr + out, acc1, mask=live[:, None])
@@ -125,12 +136,6 @@ def _split_sum(p_ptr, pos, cols, mask, P, n, SPLIT: tl.constexpr):
     for s in tl.static_range(1, SPLIT):
         acc += tl.load(p_ptr + (s * P + pos).to(tl.int64)[:, None] * n + cols[None, :], mask=mask, other=0.0)
     return acc
-
-
-@triton.jit
-def rotate_out(acc, had):
-    """H_128 acc for fp32 acc (BM, 128), in fp32."""
-    return tl.dot(acc, had.to(tl.float32), input_precision="ieee") * 0.08838834764831845
 
 
 @triton.jit
