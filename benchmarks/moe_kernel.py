@@ -171,8 +171,8 @@ def sweep(experts, dev, tokens):
             for BN in (32, 64, 128):
                 for warps in (4, 8):
                     for stages in (1, 2, 3):
-                        def chosen(chunks, n, k, rows, sms, dual=False):
-                            base = default(chunks, n, k, rows, sms, dual)
+                        def chosen(chunks, n, k, rows, sms):
+                            base = default(chunks, n, k, rows, sms)
                             split = max(1, min(k // BK, -(-4 * sms // (max(chunks, 1) * (n // BN)))))
                             return ops.Launch(base.BM, BN, split, BK, warps, stages)
                         ops.plan = chosen

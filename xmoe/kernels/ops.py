@@ -65,13 +65,18 @@ class Launch:
     stages: int = 2
 
 
-def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, dual: bool = False) -> Launch:
-    """Enough programs to fill the GPU about four times over at decode; whole K per program in prefill."""
-    BM = 16 if rows_per_chunk <= 16 else 64
-    BN, BK = 64, 32
+# (BK, BN, warps, stages) per row regime, from a sweep on an H200 at DeepSeek-V4.1 shapes (docs/RESULTS.md);
+# more pipeline stages lose there, because the gathered trellis words are staged element by element.
+TUNED = {"decode": (64, 32, 4, 1), "prefill": (16, 32, 4, 1)}
+
+
+def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int) -> Launch:
+    """Rows per chunk by regime; enough K splits to fill the GPU about four times over."""
+    regime = "decode" if rows_per_chunk <= 16 else "prefill"
+    BK, BN, warps, stages = TUNED[regime]
     programs = max(chunks, 1) * (n // BN)
     split = max(1, min(k // BK, -(-4 * sms // programs)))
-    return Launch(BM, BN, split, BK, 4, 1 if dual else 2)
+    return Launch(16 if regime == "decode" else 64, BN, split, BK, warps, stages)
 
 
 @lru_cache(maxsize=None)
@@ -212,7 +217,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     g, d = experts.gate, experts.down
     sms = _sms(dev)
     unique = min(P, E)
-    up_launch = plan(unique, g.n, g.k, P / unique, sms, dual=True)
+    up_launch = plan(unique, g.n, g.k, P / unique, sms)
     down_launch = plan(unique, d.n, d.k, P / unique, sms)
     down_launch = Launch(up_launch.BM, down_launch.BN, down_launch.split, down_launch.BK, down_launch.warps,
                          down_launch.stages)
