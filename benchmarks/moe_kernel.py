@@ -113,7 +113,8 @@ def run_case(T, skew, experts, stock, bw, dense, dev):
                     t = time_eager(stock_fn)
             else:
                 count = torch.bincount(sel.reshape(-1), minlength=E)
-                hot = [(e, *torch.nonzero(sel == e, as_tuple=True)) for e in (count > stock.R).nonzero().flatten().tolist()]
+                big = (count > stock.R).nonzero().flatten().tolist()
+                hot = [(e, *torch.nonzero(sel == e, as_tuple=True)) for e in big]
                 hot = [(e, tok, weights[tok, slot].half()) for e, tok, slot in hot]
                 active = -1 if T * TOPK <= stock.R else int(((count >= 1) & (count <= stock.R)).sum())
                 stock_fn = lambda: stock.fused(x, sel, rw, active, hot)  # noqa: E731

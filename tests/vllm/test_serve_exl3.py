@@ -29,10 +29,10 @@ def free_port() -> int:
 class Server:
     """`python -m vllm.entrypoints.openai.api_server` on a model directory, stopped on exit."""
 
-    def __init__(self, model: Path, *args: str):
+    def __init__(self, model: Path, *args: str, env: dict | None = None):
         self.port = free_port()
         self.log = open(model.parent / f"server-{self.port}.log", "w+")
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
              "--max-model-len", "128", "--max-num-seqs", "4", "--enforce-eager", "--host", "127.0.0.1",
@@ -74,9 +74,9 @@ class Server:
         return out
 
 
-def check_served(src: Path, dst: Path, *args: str):
+def check_served(src: Path, dst: Path, *args: str, env: dict | None = None):
     save_word_tokenizer(dst, SERVE_BASE["vocab_size"])
-    with Server(dst, *args) as server:
+    with Server(dst, *args, env=env) as server:
         got = server.greedy(dst)
     assert got == reference_tokens(src, dst, PROMPTS, N)
 
@@ -90,6 +90,15 @@ def test_qwen3_moe_experts(tmp_path):
 def test_dense_llama_all_linears(tmp_path):
     src = save_hf("llama", tmp_path / "src", base=SERVE_BASE)
     check_served(src, save_exl3_dense(src, tmp_path / "dst", K=4))
+
+
+def test_kernel_path_under_triton_interpreter(tmp_path):
+    """The GPU path (weights kept as EXL3, the Triton linear and fused-MoE kernels) inside vLLM, with Triton
+    emulating the GPU on the CPU: a Qwen3-MoE whose routed experts are EXL3."""
+    pytest.importorskip("triton")
+    src = save_hf("qwen3_moe", tmp_path / "src", base=SERVE_BASE)
+    convert(src, tmp_path / "moe", ConvertOptions(bits=3, encoder="beam", beam_width=16), ["cpu"])
+    check_served(src, tmp_path / "moe", "--max-num-batched-tokens", "128", env={"TRITON_INTERPRET": "1"})
 
 
 def test_qwen3_moe_tensor_parallel_2(tmp_path):

@@ -12,6 +12,7 @@ __all__ = [
     "SUFFIXES", "CODEBOOKS", "TARGET_STD", "FormatError", "QuantConfig", "bits_from_trellis", "check_layer",
     "check_tail_biting", "codebook_table", "codebook_values", "decode_inner", "decode_weight", "had_cols",
     "had_rows", "hadamard_128", "is_exl3", "layer_codebook", "load_layer", "marker", "matrix_to_tiles",
-    "pack_signs", "pack_states", "padded", "save_layers", "scale_vectors", "slice_layer", "state_windows", "stored_layout", "tile_perm",
+    "pack_signs", "pack_states", "padded", "save_layers", "scale_vectors", "slice_layer", "state_windows",
+    "stored_layout", "tile_perm",
     "tiles_to_matrix", "unpack_signs", "unpack_states",
 ]

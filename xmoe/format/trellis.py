@@ -103,8 +103,8 @@ def state_windows(K: float) -> torch.Tensor:
     """Where each weight of a tile finds its state, for decoders that read the packed words directly.
 
     Returns int32 (256,), indexed by r*16 + c (input row r, output column c of the tile): the low byte is
-    the word holding the state's last bit (lo), the next byte the word before it (hi, circularly), bits 16+
-    the right shift s such that state = ((hi:lo) >> s) & 0xFFFF on the 64-bit concatenation.
+    the word holding the state's last bit (lo), the next byte the word before it (hi, circularly), bits
+    16 and up the right shift s such that state = ((hi:lo) >> s) & 0xFFFF on the 64-bit concatenation.
     """
     _, S = _layout(check_bits(K))
     n_words = int(256 * K) // 32

@@ -70,16 +70,12 @@ class Exl3Config(QuantizationConfig):
 
         if self.original is not None:
             self.original.packed_modules_mapping = self.packed_modules_mapping
-        if not current_platform.is_cpu():
-            # The CPU methods decode every EXL3 weight to the compute dtype; on a GPU that would hide a
-            # memory blow-up of ~8x behind a working server, so refuse until the Triton kernels land.
-            raise NotImplementedError(f"exl3: serving on {current_platform.device_name} needs xmoe's Triton "
-                                      "kernels, which this version does not have yet; only the CPU backend is supported")
+        backend = kernel_backend(current_platform)
 
         if isinstance(layer, RoutedExperts):
             suffixes = next((s for k, s in self._scanned().items() if k.startswith(prefix + ".")), None)
             if suffixes is not None:
-                return Exl3MoEMethod(layer.moe_config, suffixes, prefix)
+                return Exl3MoEMethod(layer.moe_config, suffixes, prefix, backend)
             return self.original.get_quant_method(layer, prefix) if self.original \
                 else UnquantizedFusedMoEMethod(layer.moe_config)
         if isinstance(layer, LinearBase):
@@ -89,5 +85,15 @@ class Exl3Config(QuantizationConfig):
             if any(s is None for s in found) or len(set(found)) > 1:
                 raise ValueError(f"exl3: {prefix} fuses modules of which only some are EXL3 or whose EXL3 "
                                  f"tensors differ ({found}); this is not supported")
-            return Exl3LinearMethod(found[0])
+            return Exl3LinearMethod(found[0], backend, prefix)
         return None
+
+
+def kernel_backend(platform) -> str:
+    """"triton" (weights stay EXL3, decoded on the fly) on GPUs, where the kernels are required: a GPU they
+    cannot run on is an error that says why, never a silent decode to dense (~8x the memory). On the CPU
+    "torch" (decode at load), or the kernels when Triton emulates a GPU (TRITON_INTERPRET=1)."""
+    from ..kernels.ops import pick_backend
+    if platform.is_cpu():
+        return pick_backend("auto", torch.device("cpu"))
+    return pick_backend("triton", torch.device(platform.device_type))

@@ -1,16 +1,21 @@
-"""EXL3 dense linear layers in vLLM (e.g. fully-EXL3 models made by exllamav3). The CPU path decodes each
-layer to the compute dtype once loading ends and runs a plain matmul."""
+"""EXL3 dense linear layers in vLLM (e.g. fully-EXL3 models made by exllamav3). On GPUs the EXL3 tensors
+stay as they are and the Triton kernel decodes them on the fly; on the CPU each layer is decoded to the
+compute dtype once loading ends and runs as a plain matmul."""
 import torch
-from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
 
-from ..format.layer import decode_weight
+from ..format.layer import decode_weight, slice_layer
+from ..kernels.ops import exl3_linear
+from ..kernels.weights import Exl3Weight
 from .moe import collector
 
 
 class Exl3LinearMethod(LinearMethodBase):
-    def __init__(self, suffixes: frozenset):
+    def __init__(self, suffixes: frozenset, backend: str, prefix: str = "layer"):
         self.suffixes = suffixes
+        self.backend = backend  # "triton": keep EXL3, "torch": decode at load
+        self.prefix = prefix
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                        params_dtype, **extra_weight_attrs):
@@ -24,6 +29,13 @@ class Exl3LinearMethod(LinearMethodBase):
         rank = get_tensor_model_parallel_rank()
         shards = _in_order(layer._exl3, len(out_parts))
         row_parallel = isinstance(layer, RowParallelLinear)
+        if self.backend == "triton":
+            layer._weights = [self._slice(layer._exl3[key], row_parallel, rank, in_part, in_full, out)
+                              for key, out in zip(shards, out_parts)]
+            for suffix in self.suffixes:
+                delattr(layer, suffix)
+            del layer._exl3
+            return
         pieces = []
         for key, out in zip(shards, out_parts):
             w = decode_weight(layer._exl3[key])  # (in, out), padded
@@ -36,7 +48,21 @@ class Exl3LinearMethod(LinearMethodBase):
         del layer._exl3
         layer.weight = torch.nn.Parameter(torch.cat(pieces).to(dtype).contiguous(), requires_grad=False)
 
+    def _slice(self, tensors, row_parallel, rank, in_part, in_full, out) -> Exl3Weight:
+        """This rank's part of one shard (rows for a row-parallel layer, else columns), at multiples of 128."""
+        if get_tensor_model_parallel_world_size() > 1:
+            side, size = ("in", in_part) if row_parallel else ("out", out)
+            try:
+                tensors = slice_layer(tensors, side, rank * size, (rank + 1) * size)
+            except ValueError as err:
+                raise ValueError(f"exl3: {self.prefix}: cannot take rank {rank}'s slice: {err}") from None
+        return Exl3Weight.from_tensors(tensors, in_part if row_parallel else in_full, out, self.prefix)
+
     def apply(self, layer, x, bias=None):
+        if self.backend == "triton":
+            y = [exl3_linear(x, w, backend="triton") for w in layer._weights]
+            y = y[0] if len(y) == 1 else torch.cat(y, dim=-1)
+            return y if bias is None else y + bias
         return torch.nn.functional.linear(x, layer.weight, bias)
 
 

@@ -1,11 +1,15 @@
-"""EXL3 routed experts in vLLM. Per-expert EXL3 tensors are collected as vLLM loads them, then decoded to
-the compute dtype once loading ends (the CPU path: memory of a dense model, the routed experts included),
-and the experts run as a plain torch loop over the experts that tokens were routed to."""
+"""EXL3 routed experts in vLLM. Per-expert EXL3 tensors are collected as vLLM loads them; once loading ends
+they are either kept as EXL3, stacked per projection, for the fused Triton kernel (GPUs), or decoded to the
+compute dtype and run as a plain torch loop (the CPU: memory of a dense model, the routed experts included).
+"""
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
-from ..format.layer import decode_weight
+from ..format.layer import decode_weight, slice_layer
+from ..kernels.ops import fused_moe
+from ..kernels.reference import activation_ref
+from ..kernels.weights import Exl3Experts, Exl3Weight
 
 SHARD = {"w1": "gate", "w3": "up", "w2": "down"}
 
@@ -31,12 +35,13 @@ def collector(layer: torch.nn.Module, suffix: str, experts: bool) -> torch.nn.Pa
 
 
 class Exl3MoEMethod(FusedMoEMethodBase):
-    def __init__(self, moe, suffixes: frozenset, prefix: str):
+    def __init__(self, moe, suffixes: frozenset, prefix: str, backend: str):
         super().__init__(moe)
         if moe.ep_size > 1:
             raise NotImplementedError("exl3: expert parallelism is not supported yet")
         self.suffixes = suffixes  # the stored tensors of each expert projection (trellis, suh, svh, marker)
         self.prefix = prefix
+        self.backend = backend  # "triton": keep EXL3 and run the fused kernel; "torch": decode at load
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
@@ -46,7 +51,32 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             for suffix in sorted(self.suffixes):
                 layer.register_parameter(f"{proj}_{suffix}", collector(layer, suffix, experts=True))
 
+    def _tensors(self, layer, shard: str, e: int) -> dict:
+        t = layer._exl3.get((shard, e))
+        if t is None:
+            raise ValueError(f"exl3: {self.prefix}: expert {e} has no {SHARD[shard]} tensors in the checkpoint")
+        return t
+
+    def _stack(self, layer) -> Exl3Experts:
+        """This rank's slice of every expert, stacked per projection: gate/up split on the output side and
+        down on the input side, at multiples of 128 (the Hadamard blocks)."""
+        E, H, I, _ = layer._exl3_shape
+        rank, tp = self.moe.tp_rank, self.moe.tp_size
+        cut = (lambda t, side: slice_layer(t, side, rank * I, (rank + 1) * I)) if tp > 1 else (lambda t, side: t)
+        try:
+            proj = {s: [Exl3Weight.from_tensors(cut(self._tensors(layer, s, e), "in" if s == "w2" else "out"),
+                                                I if s == "w2" else H, H if s == "w2" else I,
+                                                f"{self.prefix}.{e}.{SHARD[s]}") for e in range(E)]
+                    for s in SHARD}
+        except ValueError as err:
+            raise ValueError(f"exl3: {self.prefix}: cannot take rank {rank}'s slice of {tp}: {err}") from None
+        return Exl3Experts(*(Exl3Weight.stack(proj[s], f"{self.prefix} {SHARD[s]}") for s in ("w1", "w3", "w2")))
+
     def process_weights_after_loading(self, layer) -> None:
+        if self.backend == "triton":
+            layer._experts = self._stack(layer)
+            self._drop_collectors(layer)
+            return
         E, H, I, dtype = layer._exl3_shape
         rank = self.moe.tp_rank
         rows = slice(rank * I, (rank + 1) * I)  # this rank's part of the intermediate dimension
@@ -54,19 +84,19 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         w2 = torch.empty(E, H, I, dtype=dtype)
         for e in range(E):
             def dense(shard, out, inp):
-                t = layer._exl3.get((shard, e))
-                if t is None:
-                    raise ValueError(f"exl3: {self.prefix}: expert {e} has no {SHARD[shard]} tensors in the checkpoint")
-                return decode_weight(t)[:inp, :out].T  # (out, in)
+                return decode_weight(self._tensors(layer, shard, e))[:inp, :out].T  # (out, in)
             w13[e, :I] = dense("w1", I * self.moe.tp_size, H)[rows]
             w13[e, I:] = dense("w3", I * self.moe.tp_size, H)[rows]
             w2[e] = dense("w2", H, I * self.moe.tp_size)[:, rows]
+        self._drop_collectors(layer)
+        layer.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
+        layer.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
+
+    def _drop_collectors(self, layer) -> None:
         for proj in ("w13", "w2"):
             for suffix in self.suffixes:
                 delattr(layer, f"{proj}_{suffix}")
         del layer._exl3
-        layer.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
-        layer.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
 
     def get_fused_moe_quant_config(self, layer):
         return None
@@ -74,11 +104,13 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
         if self.moe.activation.value != "silu":
             raise NotImplementedError(f"exl3: activation {self.moe.activation.value} is not supported yet")
+        limit = self.moe.swiglu_limit
+        if self.backend == "triton":  # graph-safe: no host sync, scratch from the caching allocator
+            return fused_moe(x, topk_ids, topk_weights, layer._experts, limit, backend="triton")
         out = torch.zeros_like(x, dtype=torch.float32)
         for e in topk_ids.unique().tolist():
             token, slot = (topk_ids == e).nonzero(as_tuple=True)
-            h = x[token] @ layer.w13_weight[e].T
-            gate, up = h.chunk(2, dim=-1)
-            y = (torch.nn.functional.silu(gate) * up) @ layer.w2_weight[e].T
+            gate, up = (x[token] @ layer.w13_weight[e].T).chunk(2, dim=-1)
+            y = activation_ref(gate, up, limit) @ layer.w2_weight[e].T
             out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
         return out.to(x.dtype)
