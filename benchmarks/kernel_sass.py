@@ -1,0 +1,70 @@
+"""Static cost of the grouped EXL3 GEMM: compile it for sm_90 (no GPU needed: Triton ships ptxas and
+cuobjdump), then print registers, local-memory use and the SASS of the K loop per decoded weight and thread.
+
+    python benchmarks/kernel_sass.py [--arch 90]
+"""
+import argparse
+import collections
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from xmoe.kernels import triton_exl3  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+ARGS = [("a0_ptr", "*fp16"), ("a1_ptr", "*fp16"), ("chunk_pos_ptr", "*i32"), ("chunk_len_ptr", "*i32"),
+        ("chunk_expert_ptr", "*i32"), ("n_chunks_ptr", "*i32"), ("t0_ptr", "*i32"), ("t1_ptr", "*i32"),
+        ("table_ptr", "*i32"), ("p0_ptr", "*fp32"), ("p1_ptr", "*fp32"), ("P", "i32"), ("k", "i32"), ("n", "i32"),
+        ("stride_te", "i32")]
+# (name, BM, BN, BK, warps, stages, dual): the tuned decode and prefill settings, single and dual (gate+up)
+VARIANTS = [("decode", 16, 32, 64, 4, 1, False), ("decode dual", 16, 32, 64, 4, 1, True),
+            ("prefill", 64, 32, 16, 4, 1, False), ("prefill dual", 64, 32, 16, 4, 1, True)]
+
+
+def compile_variant(arch, BM, BN, BK, warps, stages, dual, K=2, CB=1):
+    consts = dict(W=8 * K, CB=CB, DUAL=dual, BM=BM, BN=BN, BK=BK, SPLIT=1)
+    sig = dict(ARGS, **{c: "constexpr" for c in consts})
+    src = triton.compiler.ASTSource(fn=triton_exl3.grouped_gemm, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def tool(name, cubin: bytes, *args) -> str:
+    path = Path("/tmp/xmoe_kernel_sass.cubin")
+    path.write_bytes(cubin)
+    return subprocess.run([str(BIN / name), *args, str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def loop_ops(sass: str) -> collections.Counter:
+    """Opcode counts between the target and the source of the (single) backward branch: the K loop."""
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)]
+    loops = [(int(m.group(1), 16), a) for a, t in ins if (m := re.search(r"BRA\s.*?(0x[0-9a-f]+)", t))
+             and int(m.group(1), 16) < a]
+    start, end = max(loops, key=lambda x: x[1] - x[0])
+    words = [t.split() for a, t in ins if start <= a <= end]
+    return collections.Counter((w[1] if w[0].startswith("@") else w[0]).split(".")[0] for w in words)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--arch", type=int, default=90)
+    args = p.parse_args()
+    print(f"grouped_gemm, K=2 MCG, sm_{args.arch}, Triton {triton.__version__}")
+    for name, BM, BN, BK, warps, stages, dual in VARIANTS:
+        kernel = compile_variant(args.arch, BM, BN, BK, warps, stages, dual)
+        cubin = kernel.asm["cubin"]
+        usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
+        ops = loop_ops(tool("cuobjdump", cubin, "-sass"))
+        per = BK * BN * (2 if dual else 1) / (32 * warps)  # weights decoded per thread per iteration
+        total = sum(ops.values())
+        top = ", ".join(f"{op} {n / per:.2f}" for op, n in ops.most_common(8))
+        print(f"{name:<13} BM={BM} BN={BN} BK={BK} warps={warps}: {usage.group(1)} registers, "
+              f"{usage.group(2)} B stack; loop {total / per:.1f} instructions per weight ({top})")
+
+
+if __name__ == "__main__":
+    main()
