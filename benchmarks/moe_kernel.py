@@ -172,10 +172,10 @@ def sweep(experts, dev, tokens):
             for BN in (32, 64, 128):
                 for warps in (4, 8):
                     for stages in (1, 2, 3):
-                        def chosen(chunks, n, k, rows, sms):
-                            base = default(chunks, n, k, rows, sms)
+                        def chosen(chunks, n, k, rows, sms, K=2):
+                            base = default(chunks, n, k, rows, sms, K)
                             split = max(1, min(k // BK, -(-4 * sms // (max(chunks, 1) * (n // BN)))))
-                            return ops.Launch(base.BM, BN, split, BK, warps, stages)
+                            return ops.Launch(base.BM, BN, split, BK, warps, stages, base.tiled)
                         ops.plan = chosen
                         try:
                             t = time_graph(lambda: ops.fused_moe(x, ids, weights, experts, backend="triton"), reps=10)

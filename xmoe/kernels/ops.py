@@ -63,20 +63,25 @@ class Launch:
     BK: int = 32
     warps: int = 4
     stages: int = 2
+    tiled: bool = False  # decode_tiles (K = 1, 2, 4, 8: each tile's words loaded once), else per-weight gathers
 
 
-# (BK, BN, warps, stages) per row regime, from a sweep on an H200 at DeepSeek-V4.1 shapes (docs/RESULTS.md);
-# more pipeline stages lose there, because the gathered trellis words are staged element by element.
-TUNED = {"decode": (64, 32, 4, 1), "prefill": (16, 32, 4, 1)}
+# (BK, BN, warps, stages) per row regime and decoder. The gather settings come from a timed sweep on an
+# H200 at DeepSeek-V4.1 shapes; the tiled ones (K = 1, 2, 4, 8) from SASS counts (fewest instructions per
+# weight without spills, benchmarks/kernel_sass.py) and one timing on the H200 (docs/RESULTS.md).
+TUNED = {("decode", False): (64, 32, 4, 1), ("prefill", False): (16, 32, 4, 1),
+         ("decode", True): (64, 128, 8, 1), ("prefill", True): (32, 128, 8, 1)}
 
 
-def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int) -> Launch:
+def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float = 2) -> Launch:
     """Rows per chunk by regime; enough K splits to fill the GPU about four times over."""
     regime = "decode" if rows_per_chunk <= 16 else "prefill"
-    BK, BN, warps, stages = TUNED[regime]
+    tiled = K in (1, 2, 4, 8)
+    BK, BN, warps, stages = TUNED[regime, tiled]
+    BN = min(BN, n)
     programs = max(chunks, 1) * (n // BN)
     split = max(1, min(k // BK, -(-4 * sms // programs)))
-    return Launch(16 if regime == "decode" else 64, BN, split, BK, warps, stages)
+    return Launch(16 if regime == "decode" else 64, BN, split, BK, warps, stages, tiled)
 
 
 @lru_cache(maxsize=None)
@@ -116,10 +121,12 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
     stride_te = words[0].numel() if w.experts else 0
     other = (second if second is not None else w).trellis.view(torch.int32)
     grid = (bound, w.n // launch.BN, launch.split)
+    tiled = launch.tiled and w.K in (1, 2, 4, 8)
     grouped_gemm[grid](a0, a1, pos, length, expert, count, words, other, _windows(w.K, str(a0.device)),
                        p0, p1 if p1 is not None else p0, p0.shape[1], w.k, w.n, stride_te,
                        W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], DUAL=second is not None,
-                       BM=launch.BM, BN=launch.BN, BK=launch.BK, SPLIT=launch.split, num_warps=launch.warps,
+                       BM=launch.BM, BN=launch.BN, BK=launch.BK, SPLIT=launch.split, TILED=tiled,
+                       KLOG=int(w.K).bit_length() - 1 if tiled else 1, num_warps=launch.warps,
                        num_stages=launch.stages)
 
 
@@ -142,7 +149,7 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     from .triton_exl3 import linear_epilogue
     a = _padded_rows(x, w.k)
     M = a.shape[0]
-    launch = plan(-(-M // 16), w.n, w.k, M, _sms(x.device))
+    launch = plan(-(-M // 16), w.n, w.k, M, _sms(x.device), w.K)
     BM = launch.BM
     dev = x.device
     pos = torch.arange(0, M, BM, device=dev, dtype=torch.int32)
@@ -217,10 +224,10 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     g, d = experts.gate, experts.down
     sms = _sms(dev)
     unique = min(P, E)
-    up_launch = plan(unique, g.n, g.k, P / unique, sms)
-    down_launch = plan(unique, d.n, d.k, P / unique, sms)
+    up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K)
+    down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K)
     down_launch = Launch(up_launch.BM, down_launch.BN, down_launch.split, down_launch.BK, down_launch.warps,
-                         down_launch.stages)
+                         down_launch.stages, down_launch.tiled)  # the same chunks, so the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map)
     a = _padded_rows(x, g.k)
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)

@@ -45,6 +45,40 @@ def decode_block(words, lo_off, hi_off, shift, CB: tl.constexpr):
 
 
 @triton.jit
+def spread_words(words, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """(BK/16, BN/16, W) tile words -> (BK, BN): each weight gets the word holding its state's last bit.
+
+    For K = 2^KLOG that word is position p >> (5 - KLOG), and p's bits are, from the top, c2 c1 c0 r2 r1 c3
+    r3 r0 (tile row r, column c): the word index is a few of r's and c's bits, so the words only need
+    their index bits spread onto the (r, c) grid: reshape, permute and broadcast, no gather.
+    """
+    TK: tl.constexpr = BK // 16
+    TN: tl.constexpr = BN // 16
+    if KLOG == 0:  # bits c2 c1 c0
+        x = tl.reshape(words, (TK, 1, 1, 1, 1, TN, 1, 2, 2, 2))
+    elif KLOG == 1:  # c2 c1 c0 r2
+        x = tl.permute(tl.reshape(words, (TK, TN, 2, 2, 2, 2)), (0, 5, 1, 2, 3, 4))
+        x = tl.reshape(x, (TK, 1, 2, 1, 1, TN, 1, 2, 2, 2))
+    elif KLOG == 2:  # c2 c1 c0 r2 r1
+        x = tl.permute(tl.reshape(words, (TK, TN, 2, 2, 2, 2, 2)), (0, 5, 6, 1, 2, 3, 4))
+        x = tl.reshape(x, (TK, 1, 2, 2, 1, TN, 1, 2, 2, 2))
+    else:  # c2 c1 c0 r2 r1 c3
+        x = tl.permute(tl.reshape(words, (TK, TN, 2, 2, 2, 2, 2, 2)), (0, 5, 6, 1, 7, 2, 3, 4))
+        x = tl.reshape(x, (TK, 1, 2, 2, 1, TN, 2, 2, 2, 2))
+    return tl.reshape(tl.broadcast_to(x, (TK, 2, 2, 2, 2, TN, 2, 2, 2, 2)), (BK, BN))
+
+
+@triton.jit
+def decode_tiles(words, lo_off, hi_off, shift, CB: tl.constexpr, KLOG: tl.constexpr, BK: tl.constexpr,
+                 BN: tl.constexpr):
+    """decode_block for K = 1, 2, 4, 8: every tile's words loaded once (coalesced), then spread."""
+    lo = spread_words(tl.load(words + lo_off), KLOG, BK, BN).to(tl.uint32, bitcast=True)
+    hi = spread_words(tl.load(words + hi_off), KLOG, BK, BN).to(tl.uint32, bitcast=True)
+    state = ((lo >> shift) | ((hi << 1) << (31 - shift))) & 0xFFFF
+    return codebook_fp16(state, CB)
+
+
+@triton.jit
 def rotate_out(acc, had):
     """H_128 acc for fp32 acc (BM, 128): two fp16 MMAs on the high and low halves keep ~fp32 accuracy."""
     hi = acc.to(tl.float16)
@@ -77,12 +111,14 @@ def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr,
 def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, n_chunks_ptr,
                  t0_ptr, t1_ptr, table_ptr, p0_ptr, p1_ptr, P, k, n, stride_te,
                  W: tl.constexpr, CB: tl.constexpr, DUAL: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                 TILED: tl.constexpr = False, KLOG: tl.constexpr = 1):
     """Partial products p[split, pos, n] = a[pos] @ W-hat[e] over this split's K range, for the rows of one
     chunk (consecutive positions pos0 .. pos0+len-1 that share expert e).
 
     a (P, k) fp16, already rotated; trellis as int32 words (E, k/16, n/16, W); p (SPLIT, P, n) fp32.
-    DUAL decodes a second weight (up) against its own rotated rows a1.
+    DUAL decodes a second weight (up) against its own rotated rows a1. TILED (K = 2^KLOG only) loads each
+    tile's words once and spreads them (decode_tiles) instead of gathering two words per weight.
     """
     pid_c = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -98,15 +134,26 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
     kr = tl.arange(0, BK)
     cols = pid_n * BN + tl.arange(0, BN)
 
-    # Word offsets of every weight of a (BK, BN) block, relative to the block's first k-tile row.
+    # Word offsets, relative to the block's first k-tile row: per weight (gather), or per tile word (TILED).
     r = kr[:, None]
     c = tl.arange(0, BN)[None, :]
-    entry = tl.load(table_ptr + (r % 16) * 16 + c % 16)
     n_tiles = n // 16
-    tile = (r // 16) * (n_tiles * W) + (pid_n * (BN // 16) + c // 16) * W
-    lo_off = tile + (entry & 0xFF)
-    hi_off = tile + ((entry >> 8) & 0xFF)
-    shift = (entry >> 16).to(tl.uint32)
+    if TILED:
+        tk = tl.arange(0, BK // 16)[:, None, None]
+        tn = tl.arange(0, BN // 16)[None, :, None]
+        word = tl.arange(0, W)[None, None, :]
+        tile = tk * (n_tiles * W) + (pid_n * (BN // 16) + tn) * W
+        lo_off = tile + word
+        hi_off = tile + (word + W - 1) % W
+        rr, cc = r % 16, c % 16
+        p = 32 * (cc & 7) + 8 * ((rr >> 1) & 3) + 4 * (cc >> 3) + 2 * (rr >> 3) + (rr & 1)
+        shift = (32 - (1 << KLOG) * ((p & ((1 << (5 - KLOG)) - 1)) + 1)).to(tl.uint32)
+    else:
+        entry = tl.load(table_ptr + (r % 16) * 16 + c % 16)
+        tile = (r // 16) * (n_tiles * W) + (pid_n * (BN // 16) + c // 16) * W
+        lo_off = tile + (entry & 0xFF)
+        hi_off = tile + ((entry >> 8) & 0xFF)
+        shift = (entry >> 16).to(tl.uint32)
 
     steps = k // BK
     per = tl.cdiv(steps, SPLIT)
@@ -120,10 +167,18 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
         a_off = pos[:, None] * k + step * BK + kr[None, :]
         block = step * (BK // 16) * n_tiles * W  # within one expert: fits int32
         a = tl.load(a0_ptr + a_off, mask=live[:, None], other=0.0)
-        acc0 = tl.dot(a, decode_block(w0_base + block, lo_off, hi_off, shift, CB), acc0)
+        if TILED:
+            w = decode_tiles(w0_base + block, lo_off, hi_off, shift, CB, KLOG, BK, BN)
+        else:
+            w = decode_block(w0_base + block, lo_off, hi_off, shift, CB)
+        acc0 = tl.dot(a, w, acc0)
         if DUAL:
             a = tl.load(a1_ptr + a_off, mask=live[:, None], other=0.0)
-            acc1 = tl.dot(a, decode_block(w1_base + block, lo_off, hi_off, shift, CB), acc1)
+            if TILED:
+                w = decode_tiles(w1_base + block, lo_off, hi_off, shift, CB, KLOG, BK, BN)
+            else:
+                w = decode_block(w1_base + block, lo_off, hi_off, shift, CB)
+            acc1 = tl.dot(a, w, acc1)
     out = (pid_s * P + pos)[:, None] * n + cols[None, :]
     tl.store(p0_ptr + out, acc0, mask=live[:, None])
     if DUAL:
