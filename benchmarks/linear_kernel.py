@@ -52,8 +52,10 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 1024, 4096])
     p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--no-stock", action="store_true")
+    p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
     p.add_argument("--json")
     args = p.parse_args()
+    ops.DECODER = args.decoder
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")

@@ -192,8 +192,10 @@ def main():
     p.add_argument("--no-stock", action="store_true")
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--sweep", action="store_true", help="time launch settings of the gate/up and down GEMMs")
+    p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
     p.add_argument("--json")
     args = p.parse_args()
+    ops.DECODER = args.decoder
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")

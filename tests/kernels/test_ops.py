@@ -75,6 +75,14 @@ def test_moe_interpreter():
     run_interpreted("\n".join(f"check_moe(**{c}, device='cpu')" for c in SMALL_MOE))
 
 
+def test_tiled_decoder_interpreter():
+    """The tiled decoder (K = 1, 2, 4, 8): each tile's words loaded once and spread onto the tile."""
+    pytest.importorskip("triton")
+    linear = [(3, 256, 256, K, cb, False) for K, cb in ((1, "mcg"), (2, "mcg"), (4, "3inst"), (8, "mul1"))]
+    run_interpreted("ops.DECODER = 'tiled'\n" + "\n".join(f"check_linear(*{c}, 'cpu')" for c in linear) + "\n" +
+                    "\n".join(f"check_moe(**{c}, device='cpu')" for c in SMALL_MOE[:3]))
+
+
 def test_route_groups_slots_by_expert():
     ids = torch.tensor([[3, 1], [1, 0], [3, 1], [2, 3]])
     r = ops.route(ids, experts=4, BM=2)
@@ -129,9 +137,15 @@ GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
            dict(M=12, E=32, hidden=300, inter=200, top_k=4, K=2, codebook="mul1", skew=False, K_down=3)]
 
 
+@pytest.fixture(params=["gather", "tiled"])
+def decoder(request, monkeypatch):
+    monkeypatch.setattr(ops, "DECODER", request.param)
+    return request.param
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_LINEAR, ids=str)
-def test_linear_gpu(case):
+def test_linear_gpu(case, decoder):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     check_linear(*case, "cuda")
@@ -139,7 +153,7 @@ def test_linear_gpu(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_MOE, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_moe_gpu(case):
+def test_moe_gpu(case, decoder):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     check_moe(**case, device="cuda")

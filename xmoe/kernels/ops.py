@@ -68,7 +68,9 @@ class Launch:
 
 # (BK, BN, warps, stages) per row regime and decoder. The gather settings come from a timed sweep on an
 # H200 at DeepSeek-V4.1 shapes; the tiled ones (K = 1, 2, 4, 8) from SASS counts (fewest instructions per
-# weight without spills, benchmarks/kernel_sass.py) and one timing on the H200 (docs/RESULTS.md).
+# weight without spills, benchmarks/kernel_sass.py). The tiled decoder becomes the default once it has been
+# run and timed on a GPU; until then it is tested under the interpreter and chosen by setting DECODER.
+DECODER = "gather"
 TUNED = {("decode", False): (64, 32, 4, 1), ("prefill", False): (16, 32, 4, 1),
          ("decode", True): (64, 128, 8, 1), ("prefill", True): (32, 128, 8, 1)}
 
@@ -76,7 +78,7 @@ TUNED = {("decode", False): (64, 32, 4, 1), ("prefill", False): (16, 32, 4, 1),
 def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float = 2) -> Launch:
     """Rows per chunk by regime; enough K splits to fill the GPU about four times over."""
     regime = "decode" if rows_per_chunk <= 16 else "prefill"
-    tiled = K in (1, 2, 4, 8)
+    tiled = DECODER == "tiled" and K in (1, 2, 4, 8)
     BK, BN, warps, stages = TUNED[regime, tiled]
     BN = min(BN, n)
     programs = max(chunks, 1) * (n // BN)
