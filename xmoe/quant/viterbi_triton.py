@@ -9,32 +9,12 @@ import triton
 import triton.language as tl
 
 from ..format.codebook import CODEBOOKS, codebook_table
+from ..kernels.triton_exl3 import codebook_fp16
 
 # Launch settings per K (candidate states per chunk, warps, codebook from a table or in registers),
 # swept on an H200 over block 1024/2048/4096 x warps 4/8 x table on/off (docs/RESULTS.md).
 TUNED = {2: (1024, 8, False), 3: (2048, 8, True), 4: (2048, 4, True)}
 DEFAULT = (2048, 8, True)
-
-
-@triton.jit
-def codebook_value(s, CB: tl.constexpr):
-    """fp32 value of the fp16 codebook entry of int32 states `s` (CB: 0 3inst, 1 mcg, 2 mul1)."""
-    x = s.to(tl.uint32)
-    if CB == 0:
-        x = x * 89226354 + 64248484
-    elif CB == 1:
-        x = x * 0xCBAC1FED
-    else:
-        x = x * 0x83DCD12D
-    if CB == 2:
-        b = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
-        v = (b.to(tl.float32) * 0.00676727294921875 - 3.453125).to(tl.float16)
-    else:
-        x = (x & 0x8FFF8FFF) ^ 0x3B603B60
-        lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-        hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-        v = lo + hi
-    return v.to(tl.float32)
 
 
 @triton.jit
@@ -54,7 +34,7 @@ def _forward(tile, cost, bp, table, first_q, n_steps, bp_from, K: tl.constexpr, 
             if TABLE:  # coalesced: for each k, consecutive nodes are consecutive states
                 v = tl.load(table + s)
             else:
-                v = codebook_value(s, CB)
+                v = codebook_fp16(s.to(tl.uint32), CB).to(tl.float32)
             c = (v - w) * (v - w) + tl.load(src + (s >> K))
             best, arg = tl.min(c, axis=1, return_indices=True)
             tl.store(dst + e0 + eo, best)
