@@ -79,6 +79,12 @@ def decode_tiles(words, lo_off, hi_off, shift, CB: tl.constexpr, KLOG: tl.conste
 
 
 @triton.jit
+def load_had(had_ptr):
+    """The (128, 128) ±1 Sylvester matrix, fp16 (exact; the 1/sqrt(128) is applied in fp32)."""
+    return tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
+
+
+@triton.jit
 def rotate_out(acc, had):
     """H_128 acc for fp32 acc (BM, 128): two fp16 MMAs on the high and low halves keep ~fp32 accuracy."""
     hi = acc.to(tl.float16)
@@ -97,7 +103,7 @@ def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr,
     mask = ((pos < P) & (e < E))[:, None]
     row = tl.load(rows_ptr + pos, mask=pos < P, other=0).to(tl.int64)
     x = tl.load(x_ptr + row[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    had = tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
+    had = load_had(had_ptr)
     vec = e[:, None] * stride_se + cols[None, :]
     out = pos.to(tl.int64)[:, None] * k + cols[None, :]
     y = rotate_out(x * tl.load(s0_ptr + vec, mask=mask, other=0.0).to(tl.float32), had)
@@ -199,7 +205,7 @@ def linear_epilogue(p_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, n_out,
     """out[pos, :n_out] = (H_128 sum_split p[:, pos]) * svh (+ bias), in out's dtype."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
-    had = tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
+    had = load_had(had_ptr)
     mask = (rows < P)[:, None]
     y = rotate_out(_split_sum(p_ptr, rows, cols, mask, P, n, SPLIT), had)
     y = y * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
@@ -216,7 +222,7 @@ def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, ha
     (SwiGLU-clamped with a limit); out = H(a * suh_down) in fp16, the down projection's rotated input."""
     pos = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
-    had = tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
+    had = load_had(had_ptr)
     e = tl.load(expert_ptr + pos, mask=pos < P, other=E).to(tl.int64)
     live = (pos < P) & (e < E)
     mask = live[:, None]
@@ -241,7 +247,7 @@ def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr,
     """out[t] = sum over t's slots j, in order, of w[t, j] * H(down partials of the slot) * svh_down[e]."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
-    had = tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
+    had = load_had(had_ptr)
     acc = tl.zeros((BM, 128), tl.float32)
     for j in tl.static_range(TOPK):
         slot = rows * TOPK + j
