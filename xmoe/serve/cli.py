@@ -6,9 +6,6 @@ from pathlib import Path
 
 UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "kib": 2 ** 10, "mib": 2 ** 20,
          "gib": 2 ** 30, "tib": 2 ** 40}
-# Used when no MODEL is given: the demo model on the CPU of a small machine.
-DEMO_DEFAULTS = dict(served_model_name="xmoe-demo", max_model_len=2048, kv_cache_bytes=2 ** 30, max_num_seqs=32,
-                     eager=True, dtype="float32", tool_call_parser="hermes")
 DEFAULTS = dict(host="127.0.0.1", port=8000, tensor_parallel_size=1, prefix_caching=True, eager=False,
                 dtype="auto")
 
@@ -39,6 +36,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--eager", dest="eager", action="store_const", const=True, help="no CUDA graphs")
     s.add_argument("--cuda-graphs", dest="eager", action="store_const", const=False)
     s.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"])
+    s.add_argument("--cpu-threads", type=int, help="compute threads on vLLM's CPU backend")
     s.add_argument("--tool-call-parser", help="vLLM tool parser (e.g. hermes); enables automatic tool choice")
     s.add_argument("--api-key", help="required on every route but /health (default: $API_KEY)")
     s.add_argument("--dry-run", action="store_true", help="check and print the settings, do not start")
@@ -50,10 +48,10 @@ def add_serve_parser(sub) -> None:
 
 
 def options_from_args(args, model: Path, demo: bool):
-    from .options import ServeOptions
+    from .options import ServeOptions, demo_defaults
     names = ServeOptions.__dataclass_fields__.keys() - {"model", "api_key", "extra_args", "config"}
     given = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
-    values = {**DEFAULTS, **(DEMO_DEFAULTS if demo else {}), **given}
+    values = {**DEFAULTS, **(demo_defaults() if demo else {}), **given}
     extra = getattr(args, "extra", [])
     return ServeOptions(model=model, api_key=args.api_key or os.environ.get("API_KEY") or None,
                         extra_args=tuple(extra), **values)

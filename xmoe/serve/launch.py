@@ -39,6 +39,9 @@ def engine_env(o: ServeOptions, base: dict[str, str] | None = None) -> dict[str,
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's CPU backend would let it win over the flag
     # vLLM pins its CPU threads to cores by default; on a machine shared with other work that starves it.
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if o.cpu_threads is not None:
+        # OpenMP threads spin at every barrier: more of them than free cores slows decoding down ~10x.
+        env["OMP_NUM_THREADS"] = str(o.cpu_threads)
     return env
 
 
@@ -59,6 +62,7 @@ def settings(o: ServeOptions) -> list[tuple[str, str]]:
              else "vLLM default"),
             ("prefix caching", "on" if o.prefix_caching else "off"), ("speculative decoding", spec),
             ("CUDA graphs", "off (eager)" if o.eager else "on"), ("dtype", o.dtype),
+            ("CPU compute threads", str(o.cpu_threads or "all cores")),
             ("tool calls", f"auto, parser {o.tool_call_parser}" if o.tool_call_parser else "named tool_choice only"),
             ("API key", "required on every route but /health" if o.api_key else "none (open server)")]
 

@@ -1,6 +1,6 @@
 """`ServeOptions`: everything `xmoe serve` hands to vLLM's OpenAI server, checked once before it starts."""
 import json
-import sys
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +51,7 @@ class ServeOptions:
     max_num_batched_tokens: int | None = None  # chunked-prefill budget per engine step
     eager: bool = False  # no CUDA graphs / compilation
     dtype: str = "auto"
+    cpu_threads: int | None = None  # compute threads of vLLM's CPU backend (default: all cores)
     tool_call_parser: str | None = None  # enables automatic tool choice
     api_key: str | None = field(default=None, repr=False)
     extra_args: tuple[str, ...] = ()  # passed to vLLM as they are
@@ -59,7 +60,7 @@ class ServeOptions:
     def __post_init__(self):
         object.__setattr__(self, "model", Path(self.model))
         for name in ("port", "tensor_parallel_size", "max_model_len", "kv_cache_bytes", "max_num_seqs",
-                     "num_speculative_tokens", "max_num_batched_tokens"):
+                     "num_speculative_tokens", "max_num_batched_tokens", "cpu_threads"):
             _positive(name.replace("_", "-"), getattr(self, name))
         if self.port > 65535:
             raise ValueError(f"port must be at most 65535, got {self.port}")
@@ -93,3 +94,12 @@ class ServeOptions:
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def demo_defaults() -> dict:
+    """Settings for the demo model on the CPU of a small machine (fp32 compute of bf16 weights: the served
+    numbers are those of the reference model's arithmetic). One core is left to the HTTP server and the
+    engine loop, as vLLM's own CPU thread binding does."""
+    return dict(served_model_name="xmoe-demo", max_model_len=2048, kv_cache_bytes=2 ** 30, max_num_seqs=32,
+                eager=True, dtype="float32", tool_call_parser="hermes",
+                cpu_threads=max(1, len(os.sched_getaffinity(0)) - 1))

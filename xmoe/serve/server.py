@@ -27,7 +27,12 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     @property
+    def url(self) -> str:
+        return self.options.base_url
+
+    @property
     def base_url(self) -> str:
+        """What OpenAI clients take as base_url."""
         return self.options.base_url + "/v1"
 
     @property
