@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("dir")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_inspect)
+
+    from .bench.cli import add_bench, add_eval
+    add_bench(sub)
+    add_eval(sub)
     return p
 
 
