@@ -64,20 +64,31 @@ def weight_slot(model, key: str) -> tuple[torch.Tensor, tuple]:
     (E, H, I))."""
     try:
         lin = model.get_submodule(key)
-        if isinstance(lin, torch.nn.Linear):
-            return lin.weight, ()
     except AttributeError:
-        pass
+        lin = None
+    if isinstance(lin, torch.nn.Linear):
+        return lin.weight, ()
     base, sep, rest = key.partition(EXPERTS)
     parts = rest.split(".")
     if not sep or len(parts) != 2 or not parts[0].isdigit():
         raise ValueError(f"pack module {key!r} has no counterpart in the reference model")
-    experts, e, proj = model.get_submodule(base + ".experts"), int(parts[0]), parts[1]
+    experts, e, proj = experts_module(model, base, key), int(parts[0]), parts[1]
     if proj in ("down_proj", "w2"):
         return experts.down_proj, (e,)
     inter = experts.gate_up_proj.shape[1] // 2
     rows = slice(0, inter) if proj in ("gate_proj", "w1") else slice(inter, 2 * inter)
     return experts.gate_up_proj, (e, rows)
+
+
+def experts_module(model, base: str, key: str):
+    """The fused experts module of a checkpoint's MoE block. Checkpoints may name the block differently from
+    the loaded model (Mixtral's `block_sparse_moe` is `mlp` in transformers 5), so both are tried."""
+    for block in (base, base.rpartition(".")[0] + ".mlp"):
+        try:
+            return model.get_submodule(block + ".experts")
+        except AttributeError:
+            continue
+    raise ValueError(f"pack module {key!r}: no experts module at {base}.experts or its .mlp equivalent")
 
 
 def swap(model, layers: dict[str, tuple[Path, int | None]], keys: list[str]) -> dict:

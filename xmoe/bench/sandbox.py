@@ -49,16 +49,20 @@ def run_python(program: str, limits: Limits = Limits()) -> Outcome:
             f.write(program)
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "PYTHONDONTWRITEBYTECODE": "1",
                "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen([sys.executable, "-I", path], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=_limit(limits))
-        try:
-            _, err = proc.communicate(timeout=limits.timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            return Outcome(False, "timeout", f"over {limits.timeout:g} s")
-        finally:
-            _kill_group(proc)   # children it left behind
+        # stderr goes to a file, not a pipe: children that inherit a pipe would hold its end open after the
+        # program exits, and reading to EOF would wait for them.
+        with tempfile.TemporaryFile() as err_file:
+            proc = subprocess.Popen([sys.executable, "-I", path], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=err_file, start_new_session=True,
+                                    preexec_fn=_limit(limits))
+            try:
+                proc.wait(timeout=limits.timeout)
+            except subprocess.TimeoutExpired:
+                return Outcome(False, "timeout", f"over {limits.timeout:g} s")
+            finally:
+                _kill_group(proc)   # the program on a timeout; children it left behind in any case
+            err_file.seek(max(0, err_file.seek(0, os.SEEK_END) - 2000))
+            err = err_file.read()
     tail = err.decode(errors="replace")[-500:]
     if proc.returncode == 0:
         return Outcome(True, "passed", "")
