@@ -45,7 +45,8 @@ def _needle(args) -> int:
 
 def _toolcall(args) -> int:
     from .toolcall import ToolcallOptions, run
-    result = run(_client(args), ToolcallOptions(tuple(args.categories), args.n, args.max_tokens, args.concurrency))
+    opts = ToolcallOptions(tuple(args.categories), args.n, args.max_tokens, args.concurrency, args.tool_choice)
+    result = run(_client(args), opts)
     rows = [{k: c[k] for k in ("category", "n", "passed", "accuracy", "no_call", "errors")}
             for c in result["categories"]]
     report.emit(f"tool calls of {result['model']} (BFCL v4)", rows, result, args.json)
@@ -130,6 +131,8 @@ def add_bench(sub) -> None:
     t.add_argument("--categories", nargs="+", default=["simple_python", "multiple"])
     t.add_argument("--n", type=int, default=50, help="items per category")
     t.add_argument("--max-tokens", type=int, default=256)
+    t.add_argument("--tool-choice", choices=["auto", "required"], default="auto",
+                   help="required: the server must constrain the reply to a call (vLLM: guided decoding)")
     t.set_defaults(func=_toolcall)
 
     g = tools.add_parser("gsm8k", help="GSM8K accuracy, and agreement with a second endpoint")

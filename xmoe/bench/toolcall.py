@@ -26,6 +26,7 @@ class ToolcallOptions:
     n: int = 50                 # items per category, from the start of each file
     max_tokens: int = 256
     concurrency: int = 8
+    tool_choice: str = "auto"   # "required" makes vLLM constrain the reply to a call (slow on CPUs)
 
 
 def schema(s):
@@ -108,9 +109,11 @@ def parse_calls(message: dict) -> list[tuple[str, dict]]:
 
 
 def probe(client: Client, item: dict, opts: ToolcallOptions) -> dict:
-    out = {"id": item["id"], "passed": False, "calls": None, "reason": None, "error": None}
+    out = {"id": item["id"], "passed": False, "calls": None, "reason": None, "error": None, "content": None}
     try:
-        r = client.chat(item["question"][0], opts.max_tokens, tools=tools(item["function"]), tool_choice="auto")
+        r = client.chat(item["question"][0], opts.max_tokens, tools=tools(item["function"]),
+                        tool_choice=opts.tool_choice)
+        out["content"] = r["choices"][0]["message"].get("content")
         out["calls"] = parse_calls(r["choices"][0]["message"])
     except RequestError as e:
         return {**out, "error": str(e)}
