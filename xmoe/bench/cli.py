@@ -21,13 +21,12 @@ def _speed(args) -> int:
     result = run(_client(args), opts)
     rows = [{"streams": d["streams"], "decode tok/s per stream": d["stream_tok_s"],
              "aggregate tok/s": d["aggregate_tok_s"], "tokens short/long": f"{d['short_tokens']:g}/{d['long_tokens']:g}",
-             "s short/long": f"{d['short_s']:.2f}/{d['long_s']:.2f}"} for d in result["decode"]]
-    rows += [{"streams": 1, "prefill tokens": p["prompt_tokens"], "prefill tok/s": p["prefill_tok_s"],
-              "s short/long": f"{p['seconds']:.2f}"} for p in result["prefill"]]
-    cols = ["streams", "decode tok/s per stream", "aggregate tok/s", "tokens short/long", "s short/long",
-            "prefill tokens", "prefill tok/s"]
+             "seconds short/long": f"{d['short_s']:.2f}/{d['long_s']:.2f}"} for d in result["decode"]]
+    prefill = [{"prompt tokens": p["prompt_tokens"], "seconds": p["seconds"], "prefill tok/s": p["prefill_tok_s"]}
+               for p in result["prefill"]]
     forced = "" if result["forced"] else " (lengths NOT forced: the server refused min_tokens/ignore_eos)"
-    report.emit(f"speed of {result['model']}{forced}", rows, result, args.json, cols)
+    report.emit(f"decode speed of {result['model']}{forced}", rows, result, args.json,
+                more=(("prefill (prefix cache bypassed), one stream", prefill),) if prefill else ())
     if args.plot:
         plot(result, args.plot)
         print(f"plot: {args.plot}")

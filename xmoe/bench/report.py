@@ -27,14 +27,19 @@ def table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])
 
 
-def emit(title: str, rows: list[dict], result: dict, json_path: str | None, columns: list[str] | None = None):
-    """Print the summary table and, when asked, write the whole result as JSON ('-' for stdout)."""
+def emit(title: str, rows: list[dict], result: dict, json_path: str | None, columns: list[str] | None = None,
+         more: tuple[tuple[str, list[dict]], ...] = ()):
+    """Print the summary table (and any `more` (title, rows) tables) and, when asked, write the whole result as
+    JSON ('-' for stdout, instead of the tables)."""
     if json_path == "-":
         json.dump(result, sys.stdout, indent=1, default=str)
         print()
         return
     print(f"\n{title}")
     print(table(rows, columns))
+    for sub_title, sub_rows in more:
+        print(f"\n{sub_title}")
+        print(table(sub_rows))
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(f"json: {json_path}")
