@@ -18,3 +18,30 @@ def vectors():
 def gpu_or_skip():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory):
+    """One vLLM server for the whole session, on the demo model's `test` variant (built once into the user
+    cache, ~2-3 min the first time), with a random API key. Yields an `xmoe.serve.server.Server`:
+    `.base_url` (ends in /v1), `.url` (the root), `.api_key`, `.model` (the served name), `.options`,
+    `.log_tail()`."""
+    import secrets
+
+    from xmoe.serve.demo import demo_model
+    from xmoe.serve.options import ServeOptions, demo_defaults
+    from xmoe.serve.server import Server
+
+    model = demo_model("test")
+    options = ServeOptions(model, **{**demo_defaults(), "served_model_name": "xmoe-demo-test"}, port=free_port(),
+                           api_key=secrets.token_urlsafe(16))
+    server = Server(options, tmp_path_factory.mktemp("demo-server") / "server.log")
+    with server:
+        yield server

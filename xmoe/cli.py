@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_inspect)
 
+    from .serve.cli import add_serve_parser
+    add_serve_parser(sub)
+
     from .bench.cli import add_bench, add_eval
     add_bench(sub)
     add_eval(sub)
@@ -117,7 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []  # `xmoe serve ... -- VLLM ARGS`
+    parser = build_parser()
+    args = parser.parse_args(argv[:len(argv) - len(extra) - 1] if "--" in argv else argv)
+    if extra and args.command != "serve":
+        parser.error(f"{args.command} takes no arguments after --")
+    args.extra = extra
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         return args.func(args)

