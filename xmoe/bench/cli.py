@@ -3,14 +3,14 @@ import argparse
 import os
 
 from . import report
-from .client import Client, Endpoint
 
 
-def _endpoint(args, url: str, model: str | None) -> Client:
+def _endpoint(args, url: str, model: str | None):
+    from .client import Client, Endpoint  # httpx: the bench extra
     return Client(Endpoint(url, args.api_key, model, args.timeout))
 
 
-def _client(args) -> Client:
+def _client(args):
     return _endpoint(args, args.url, args.model)
 
 
@@ -84,10 +84,11 @@ def _replay(args) -> int:
 
 def _quality(args) -> int:
     from .quality import QualityOptions, evaluate, rows
-    opts = QualityOptions(args.text, args.tokens, args.window, args.groups, args.dtype, args.device_map)
+    opts = QualityOptions(args.text or QualityOptions.text, args.tokens, args.window, args.groups, args.dtype,
+                          args.device_map)
     result = evaluate(args.model, args.reference, opts)
     report.emit(f"quality of {args.model} against {args.reference}: {result['tokens_scored']} tokens of "
-                f"{args.text}", rows(result), result, args.json)
+                f"{opts.text}", rows(result), result, args.json)
     return 0
 
 
@@ -165,13 +166,12 @@ def add_bench(sub) -> None:
 
 
 def add_eval(sub) -> None:
-    from .quality import DEFAULT_TEXT
     e = sub.add_parser("eval", help="offline quality of a pack against its unquantized source")
     kinds = e.add_subparsers(dest="kind", required=True)
     q = kinds.add_parser("quality", help="KL divergence and perplexity, token by token")
     q.add_argument("model", help="the EXL3 pack (xmoe quantize output)")
     q.add_argument("--reference", required=True, help="the unquantized source model directory")
-    q.add_argument("--text", default=DEFAULT_TEXT, help="text to score (default %(default)s)")
+    q.add_argument("--text", help="text to score (default: /usr/share/common-licenses/GPL-3)")
     q.add_argument("--tokens", type=int, default=2048)
     q.add_argument("--window", type=int, default=512)
     q.add_argument("--groups", type=int, default=0, help="also swap in each of N layer groups alone (table)")
