@@ -87,9 +87,14 @@ def test_toolcall_parse_calls():
 
 
 def first_choice(allowed: dict) -> dict:
-    """A call BFCL accepts: the first allowed value of each argument, nested dicts likewise."""
-    pick = lambda v: first_choice(v) if isinstance(v, dict) else v  # noqa: E731
+    """A call BFCL accepts: the first allowed value of each argument, dicts nested in values likewise."""
     return {k: pick(v[0]) for k, v in allowed.items() if v[0] != ""}
+
+
+def pick(value):
+    if isinstance(value, dict):
+        return first_choice(value)
+    return [pick(v) for v in value] if isinstance(value, list) else value
 
 
 def test_toolcall_real_bfcl_items_score_their_own_answers():

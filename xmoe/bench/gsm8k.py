@@ -52,10 +52,11 @@ def run(client: Client, opts: Gsm8kOptions, other: Client | None = None) -> dict
     problems = gsm8k(opts.data)[: opts.n]
     truth = [extract(p["answer"]) for p in problems]
     got = parallel(lambda p: ask(client, p["question"], opts), problems, opts.concurrency, "gsm8k")
-    result = {"model": client.model, "n": len(problems), **score(truth, got)}
+    result = {"model": client.model, "endpoint": client.base, "n": len(problems), **score(truth, got)}
     if other is not None:
         ref = parallel(lambda p: ask(other, p["question"], opts), problems, opts.concurrency, "gsm8k (other)")
-        result.update(other_model=other.model, other=score(truth, ref), **agreement(got, ref))
+        result.update(other_model=other.model, other_endpoint=other.base, other=score(truth, ref),
+                      **agreement(got, ref))
         ref_by_item = ref
     else:
         ref_by_item = [None] * len(got)
@@ -79,11 +80,11 @@ def agreement(got: list[dict], ref: list[dict]) -> dict:
 
 
 def rows(result: dict) -> list[dict]:
-    out = [{"model": result["model"], "n": result["n"], "accuracy": result["accuracy"],
+    out = [{"endpoint": result["endpoint"], "model": result["model"], "n": result["n"], "accuracy": result["accuracy"],
             "no answer": result["no_answer"], "errors": result["errors"]}]
     if "other" in result:
         o = result["other"]
-        out.append({"model": result["other_model"], "n": result["n"], "accuracy": o["accuracy"],
+        out.append({"endpoint": result["other_endpoint"], "model": result["other_model"], "n": result["n"], "accuracy": o["accuracy"],
                     "no answer": o["no_answer"], "errors": o["errors"]})
         for r in out:
             r.update({"answer agreement": result["answer_agreement"], "text agreement": result["text_agreement"]})

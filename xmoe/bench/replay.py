@@ -63,8 +63,9 @@ def session(client: Client, s: int, text: str, opts: ReplayOptions, tally: Tally
     while time.perf_counter() < stop:
         try:
             r = client.stream_chat(history, opts.max_tokens)
-        except RequestError as e:
+        except RequestError as e:       # e.g. a context the server refuses: count it, start the session over
             tally.add(error=str(e))
+            history = history[:2]
             time.sleep(0.5)
             continue
         tally.add(r)
