@@ -21,3 +21,14 @@ def test_parallel_keeps_order():
     import time
     out = report.parallel(lambda x: (time.sleep(0.01 * (5 - x)), x * x)[1], range(5), 3, "t")
     assert out == [0, 1, 4, 9, 16]
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    from xmoe.cli import main
+    assert main(["bench", "speed", "--short", "50", "--long", "20"]) == 2
+    assert "need 0 < --short < --long" in capsys.readouterr().err
+    assert main(["bench", "needle", "--url", "http://127.0.0.1:9/v1"]) == 2
+    err = capsys.readouterr().err
+    assert "http://127.0.0.1:9/v1/models" in err and len(err.strip().splitlines()) == 1
+    assert main(["eval", "quality", str(tmp_path / "nope"), "--reference", str(tmp_path)]) == 2
+    assert str(tmp_path / "nope") in capsys.readouterr().err

@@ -105,6 +105,11 @@ def _common(p: argparse.ArgumentParser, concurrency: int | None = None):
 def add_bench(sub) -> None:
     b = sub.add_parser("bench", help="speed, smoke and quality probes against an OpenAI-compatible server")
     tools = b.add_subparsers(dest="tool", required=True)
+    _load_parsers(tools)
+    _task_parsers(tools)
+
+
+def _load_parsers(tools) -> None:
     s = tools.add_parser("speed", help="decode and prefill tokens/s, 1 and N streams")
     _common(s)
     s.add_argument("--long", type=int, default=400)
@@ -117,6 +122,19 @@ def add_bench(sub) -> None:
     s.add_argument("--plot", metavar="PNG", help="plot the sweep (needs matplotlib)")
     s.set_defaults(func=_speed)
 
+    r = tools.add_parser("replay", help="sustained multi-turn agentic load for a fixed time")
+    _common(r)
+    r.add_argument("--duration", type=float, default=3600.0, help="seconds")
+    r.add_argument("--sessions", type=int, default=8)
+    r.add_argument("--max-tokens", type=int, default=128, help="per assistant turn")
+    r.add_argument("--tool-chars", type=int, default=4000, help="characters per tool output")
+    r.add_argument("--system-chars", type=int, default=8000, help="characters of the shared system prompt")
+    r.add_argument("--max-context", type=int, default=16384, help="prompt tokens at which a session restarts")
+    r.add_argument("--text", help="text file for tool outputs (default: the KJV or the license texts)")
+    r.set_defaults(func=_replay)
+
+
+def _task_parsers(tools) -> None:
     n = tools.add_parser("needle", help="needle-in-a-haystack retrieval at a context length, per depth")
     _common(n, 4)
     n.add_argument("--context", type=int, default=4096, help="prompt tokens")
@@ -152,17 +170,6 @@ def add_bench(sub) -> None:
     h.add_argument("--timeout-per-problem", type=float, default=10.0, help="seconds per sandboxed run")
     h.add_argument("--memory-mb", type=int, default=1024, help="address-space limit of a sandboxed run")
     h.set_defaults(func=_humaneval)
-
-    r = tools.add_parser("replay", help="sustained multi-turn agentic load for a fixed time")
-    _common(r)
-    r.add_argument("--duration", type=float, default=3600.0, help="seconds")
-    r.add_argument("--sessions", type=int, default=8)
-    r.add_argument("--max-tokens", type=int, default=128, help="per assistant turn")
-    r.add_argument("--tool-chars", type=int, default=4000, help="characters per tool output")
-    r.add_argument("--system-chars", type=int, default=8000, help="characters of the shared system prompt")
-    r.add_argument("--max-context", type=int, default=16384, help="prompt tokens at which a session restarts")
-    r.add_argument("--text", help="text file for tool outputs (default: the KJV or the license texts)")
-    r.set_defaults(func=_replay)
 
 
 def add_eval(sub) -> None:
