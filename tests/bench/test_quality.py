@@ -86,3 +86,17 @@ def test_evaluate_errors(pack, tmp_path):
         quality.evaluate(str(src), str(src), quality.QualityOptions(text=str(text), tokens=256, window=128))
     with pytest.raises(ValueError, match="fewer than"):
         quality.evaluate(str(dst), str(src), quality.QualityOptions(text=str(text), tokens=100000, window=128))
+
+
+def test_served_kl_on_hand_made_distributions():
+    from xmoe.bench.served_quality import position_kl
+    p = [0.5, 0.3, 0.1]                       # listed; the other 0.1 is spread elsewhere
+    q = [0.4, 0.4, 0.05]
+    ref = {i: math.log(v) for i, v in enumerate(p)} | {-1: math.log(0.1)}
+    got = {i: math.log(v) for i, v in enumerate(q)} | {-1: math.log(0.05)}
+    want = sum(a * math.log(a / b) for a, b in zip(p + [0.1], q + [0.15]))
+    kl, bounded = position_kl(ref, got)
+    assert kl == pytest.approx(want) and not bounded
+    kl, bounded = position_kl(ref, {0: math.log(0.9), -1: math.log(0.01)})   # tokens 1, 2 unlisted
+    assert bounded and kl > 0
+    assert position_kl(ref, ref) == (pytest.approx(0.0, abs=1e-12), False)

@@ -76,3 +76,15 @@ def test_wrong_api_key_is_a_clear_error(demo_server, capsys):
     assert demo_server.api_key
     assert main(["bench", "needle", "--url", demo_server.base_url, "--api-key", "wrong"]) == 2
     assert "HTTP 401" in capsys.readouterr().err
+
+
+def test_eval_quality_through_servers(demo_server, tmp_path):
+    """The server route of `xmoe eval quality`, with the same server on both sides: KL 0, equal perplexity."""
+    out = tmp_path / "q.json"
+    url = demo_server.base_url
+    assert main(["eval", "quality", url, "--reference", url, "--api-key", demo_server.api_key, "--tokens", "200",
+                 "--top-k", "5", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["tokens_scored"] >= 200 and r["kl_bounded"] == 0
+    assert r["kl_mean"] == pytest.approx(0, abs=1e-6) and r["top1_agreement"] == 1.0
+    assert r["ppl"] == pytest.approx(r["ppl_reference"]) and 1 < r["ppl"] < 1000

@@ -4,6 +4,8 @@ import os
 
 from . import report
 
+QUALITY_TEXT = "/usr/share/common-licenses/GPL-3"   # on every Debian system: comparable across machines
+
 
 def _endpoint(args, url: str, model: str | None):
     from .client import Client, Endpoint  # httpx: the bench extra
@@ -83,10 +85,19 @@ def _replay(args) -> int:
 
 
 def _quality(args) -> int:
-    from .quality import QualityOptions, evaluate, rows
-    opts = QualityOptions(args.text or QualityOptions.text, args.tokens, args.window, args.groups, args.dtype,
-                          args.device_map)
-    result = evaluate(args.model, args.reference, opts)
+    served = [a.startswith(("http://", "https://")) for a in (args.model, args.reference)]
+    if any(served):
+        if not all(served):
+            raise ValueError("give two URLs (servers) or two model directories, not one of each")
+        from .served_quality import ServedQualityOptions, evaluate_served
+        opts = ServedQualityOptions(args.text or QUALITY_TEXT, args.tokens, top_k=args.top_k)
+        result = evaluate_served(_endpoint(args, args.model, None), _endpoint(args, args.reference, None), opts)
+    else:
+        from .quality import QualityOptions, evaluate
+        opts = QualityOptions(args.text or QUALITY_TEXT, args.tokens, args.window, args.groups, args.dtype,
+                              args.device_map)
+        result = evaluate(args.model, args.reference, opts)
+    from .quality import rows
     report.emit(f"quality of {args.model} against {args.reference}: {result['tokens_scored']} tokens of "
                 f"{opts.text}", rows(result), result, args.json)
     return 0
@@ -176,13 +187,16 @@ def add_eval(sub) -> None:
     e = sub.add_parser("eval", help="offline quality of a pack against its unquantized source")
     kinds = e.add_subparsers(dest="kind", required=True)
     q = kinds.add_parser("quality", help="KL divergence and perplexity, token by token")
-    q.add_argument("model", help="the EXL3 pack (xmoe quantize output)")
-    q.add_argument("--reference", required=True, help="the unquantized source model directory")
-    q.add_argument("--text", help="text to score (default: /usr/share/common-licenses/GPL-3)")
+    q.add_argument("model", help="the EXL3 pack (xmoe quantize output), or the URL of a vLLM server running it")
+    q.add_argument("--reference", required=True, help="the unquantized source model directory, or a URL")
+    q.add_argument("--text", help=f"text to score (default: {QUALITY_TEXT})")
     q.add_argument("--tokens", type=int, default=2048)
     q.add_argument("--window", type=int, default=512)
     q.add_argument("--groups", type=int, default=0, help="also swap in each of N layer groups alone (table)")
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     q.add_argument("--device-map", help="e.g. auto: spread the model over GPUs and CPU (needs accelerate)")
+    q.add_argument("--top-k", type=int, default=20, help="with URLs: prompt log-probabilities per token")
+    q.add_argument("--api-key", default=os.environ.get("API_KEY"), help="with URLs (default: $API_KEY)")
+    q.add_argument("--timeout", type=float, default=600.0, help="with URLs: seconds per request")
     q.add_argument("--json", metavar="PATH", help="write the full result, with KL per token, as JSON")
     q.set_defaults(func=_quality)

@@ -4,13 +4,11 @@ predicted token: KL(source || pack) over the whole vocabulary, and the log-likel
 under each (perplexity). With `groups`, each contiguous group of layers is also swapped in alone, so the
 table shows which layers the bits cost most (a guide for `xmoe quantize --bits-for`).
 
-Why in-process and not through two servers: the KL needs both full next-token distributions, and OpenAI-
-style servers return only the top few log-probabilities (vLLM's `prompt_logprobs` is capped by
-`--max-logprobs`), so a server route would give perplexity exactly but the KL only as a top-k estimate. The
-price: the source model must fit in this machine's memory (`device_map="auto"` spreads it over the GPUs and
-CPU memory through accelerate). For a model of hundreds of billions of parameters that means a multi-GPU host
-with the source's own precision; where that is out of reach, compare the served pack with its source with
-`xmoe bench gsm8k --other-url` (answer agreement) instead."""
+Two routes. This one (two model directories) is exact: KL over the whole vocabulary. Its price: the source
+model must fit in this machine's memory (`device_map="auto"` spreads it over GPUs and CPU memory through
+accelerate). For a model of hundreds of billions of parameters, serve the pack and its source with vLLM and
+give their URLs instead (`served_quality.py`): the servers hold the weights, perplexity stays exact, and the
+KL becomes a top-k estimate, because servers return only the top few log-probabilities per token."""
 import math
 import re
 import sys
@@ -24,14 +22,13 @@ from tqdm import tqdm
 from ..format import decode_weight, load_layer
 from ..format.layer import shard_files
 
-DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 _LAYER = re.compile(r"\blayers\.(\d+)\.")
 EXPERTS = ".experts."
 
 
 @dataclass(frozen=True)
 class QualityOptions:
-    text: str = DEFAULT_TEXT
+    text: str
     tokens: int = 2048          # tokens of the text to score
     window: int = 512           # tokens per forward pass (each window starts fresh)
     groups: int = 0             # > 0: also swap in each of this many layer groups alone
