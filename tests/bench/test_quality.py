@@ -95,8 +95,13 @@ def test_served_kl_on_hand_made_distributions():
     ref = {i: math.log(v) for i, v in enumerate(p)} | {-1: math.log(0.1)}
     got = {i: math.log(v) for i, v in enumerate(q)} | {-1: math.log(0.05)}
     want = sum(a * math.log(a / b) for a, b in zip(p + [0.1], q + [0.15]))
-    kl, bounded = position_kl(ref, got)
-    assert kl == pytest.approx(want) and not bounded
-    kl, bounded = position_kl(ref, {0: math.log(0.9), -1: math.log(0.01)})   # tokens 1, 2 unlisted
-    assert bounded and kl > 0
-    assert position_kl(ref, ref) == (pytest.approx(0.0, abs=1e-12), False)
+    assert position_kl(ref, got) == (pytest.approx(want), pytest.approx(0.9))
+    # token 2 not listed by the pack: it joins the rest bucket (0.2 against 0.2)
+    part = {0: math.log(0.4), 1: math.log(0.4), -1: math.log(0.4)}
+    want = 0.5 * math.log(0.5 / 0.4) + 0.3 * math.log(0.3 / 0.4) + 0.2 * math.log(0.2 / 0.2)
+    assert position_kl(ref, part) == (pytest.approx(want), pytest.approx(0.8))
+    # a lower bound of the full KL, for full distributions cut to their top 3
+    full_p, full_q = [0.5, 0.3, 0.1, 0.06, 0.04], [0.4, 0.4, 0.05, 0.05, 0.1]
+    exact = sum(a * math.log(a / b) for a, b in zip(full_p, full_q))
+    assert position_kl(ref, got)[0] <= exact
+    assert position_kl(ref, ref) == (pytest.approx(0.0, abs=1e-12), pytest.approx(0.9))

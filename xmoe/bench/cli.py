@@ -98,8 +98,10 @@ def _quality(args) -> int:
                               args.device_map)
         result = evaluate(args.model, args.reference, opts)
     from .quality import rows
+    note = (f"; KL: a lower bound from the top-{args.top_k} log-probabilities, which hold "
+            f"{result['kl_coverage']:.0%} of the reference's probability" if any(served) else "")
     report.emit(f"quality of {args.model} against {args.reference}: {result['tokens_scored']} tokens of "
-                f"{opts.text}", rows(result), result, args.json)
+                f"{opts.text}{note}", rows(result), result, args.json)
     return 0
 
 

@@ -2,12 +2,11 @@
 source), for models too large to load beside each other in one process. Each server scores the same text with
 vLLM's `prompt_logprobs` (the log-probability of every prompt token, plus the top-k alternatives).
 
-Perplexity is exact. The KL is computed on both distributions coarse-grained to the reference's listed
-tokens (its top-k and the true token) plus one "everything else" bucket: when every one of those tokens is
-also in the pack's list, that is exact for the coarse-grained pair and a lower bound of the full KL
-(coarse-graining never raises a KL). A reference token the pack did not list gets the pack's k-th best
-probability, an upper bound for it, and makes the figure an estimate; `kl_bounded` counts those positions.
-k is limited by the servers' `--max-logprobs` (vLLM: 20 by default)."""
+Perplexity is exact. The KL is a lower bound: both distributions are coarse-grained to the tokens both
+servers listed at that position (each one's top-k, and the true token) plus one "everything else" bucket,
+which is a partition of the vocabulary, and coarse-graining never raises a KL. `kl_coverage` is the mean
+share of the reference's probability inside the common tokens: near 1 means the bound is tight. k is limited
+by the servers' `--max-logprobs` (vLLM: 20 by default)."""
 import math
 import statistics
 import sys
@@ -29,7 +28,7 @@ class ServedQualityOptions:
 
 def score_chunk(client: Client, text: str, k: int) -> tuple[list[int], list[dict[int, float]]]:
     """(prompt token ids, {token id: logprob} per position after the first). Each dict holds the top-k and
-    the prompt token itself; key -1 holds the k-th best logprob (what any unlisted token is below)."""
+    the prompt token itself; key -1 holds the k-th best logprob (every unlisted token is below it)."""
     r = client.complete(text, 1, prompt_logprobs=k, return_token_ids=True)["choices"][0]
     ids, lps = r.get("prompt_token_ids"), r.get("prompt_logprobs")
     if not ids or not lps:
@@ -43,16 +42,16 @@ def score_chunk(client: Client, text: str, k: int) -> tuple[list[int], list[dict
     return ids, out
 
 
-def position_kl(ref: dict[int, float], got: dict[int, float]) -> tuple[float, bool]:
-    """KL(ref || got) over ref's listed tokens plus the rest; True when a bound stood in for a missing token."""
-    tokens = [t for t in ref if t != -1]
-    p = {t: math.exp(ref[t]) for t in tokens}
-    q = {t: math.exp(got.get(t, got[-1])) for t in tokens}
-    kl = sum(p[t] * (math.log(p[t]) - math.log(q[t])) for t in tokens if p[t] > 0)
-    p_rest, q_rest = max(1 - sum(p.values()), 0.0), max(1 - sum(q.values()), 1e-12)
+def position_kl(ref: dict[int, float], got: dict[int, float]) -> tuple[float, float]:
+    """(KL(ref || got) coarse-grained to the tokens both list plus the rest, ref's probability in those)."""
+    common = [t for t in ref if t != -1 and t in got]
+    p = [math.exp(ref[t]) for t in common]
+    q = [math.exp(got[t]) for t in common]
+    kl = sum(a * (math.log(a) - math.log(b)) for a, b in zip(p, q) if a > 0)
+    p_rest, q_rest = max(1 - sum(p), 0.0), max(1 - sum(q), 1e-12)
     if p_rest > 0:
         kl += p_rest * (math.log(p_rest) - math.log(q_rest))
-    return max(kl, 0.0), any(t not in got for t in tokens)
+    return max(kl, 0.0), sum(p)
 
 
 def top(listed: dict[int, float]) -> int:
@@ -62,7 +61,7 @@ def top(listed: dict[int, float]) -> int:
 def evaluate_served(pack: Client, reference: Client, opts: ServedQualityOptions) -> dict:
     text = Path(opts.text).read_text(errors="replace")
     chunks = [text[i: i + opts.chunk_chars] for i in range(0, len(text), opts.chunk_chars)]
-    kls, nll_ref, nll_got, bounded, top1 = [], [], [], 0, 0
+    kls, nll_ref, nll_got, coverage, top1 = [], [], [], 0.0, 0
     with tqdm(total=opts.tokens, desc="scored tokens", unit="tok", file=sys.stderr) as bar:
         for chunk in chunks:
             ids_r, ref = score_chunk(reference, chunk, opts.top_k)
@@ -71,9 +70,9 @@ def evaluate_served(pack: Client, reference: Client, opts: ServedQualityOptions)
                 raise ValueError(f"{reference.base} and {pack.base} tokenize the text differently; "
                                  f"the two models must share a tokenizer")
             for target, r, g in zip(ids_r[1:], ref, got):
-                kl, was_bounded = position_kl(r, g)
+                kl, covered = position_kl(r, g)
                 kls.append(kl)
-                bounded += was_bounded
+                coverage += covered
                 nll_ref.append(-r[target])
                 nll_got.append(-g[target])
                 top1 += top(r) == top(g)
@@ -86,6 +85,6 @@ def evaluate_served(pack: Client, reference: Client, opts: ServedQualityOptions)
     return {"pack": pack.base, "reference": reference.base, "text": opts.text, "tokens_scored": len(kls),
             "top_k": opts.top_k, "kl_mean": statistics.fmean(kls), "kl_median": statistics.median(kls),
             "kl_p99": kls_sorted[min(len(kls) - 1, int(0.99 * len(kls)))], "kl_max": kls_sorted[-1],
-            "kl_bounded": bounded, "ppl_reference": math.exp(statistics.fmean(nll_ref)),
+            "kl_coverage": coverage / len(kls), "ppl_reference": math.exp(statistics.fmean(nll_ref)),
             "ppl": math.exp(statistics.fmean(nll_got)), "top1_agreement": top1 / len(kls), "kl_per_token": kls,
             "groups": [], "exl3_modules": None}
