@@ -34,13 +34,9 @@ def test_gsm8k_known_answers_score(tmp_path):
     assert a == {"answer_agreement": pytest.approx(2 / 3), "text_agreement": pytest.approx(1 / 3)}
 
 
-def test_gsm8k_data_file_answers_parse():
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
-    if not path.exists():
-        pytest.skip(f"{path} not present")
-    rows = [json.loads(line) for line in path.read_text().splitlines()[:200]]
-    assert all(gsm8k.extract(r["answer"]) is not None for r in rows)
+def test_gsm8k_data_file_answers_parse(gsm8k_path):
+    rows = gsm8k.gsm8k(str(gsm8k_path))
+    assert len(rows) == 1319 and all(gsm8k.extract(r["answer"]) is not None for r in rows)
 
 
 FUNCS = [{"name": "math.hypot", "description": "d", "parameters": {"type": "dict", "properties": {

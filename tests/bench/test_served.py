@@ -1,13 +1,9 @@
 """Every `xmoe bench` tool, briefly, against the demo server (one server for the session), through the CLI
 as a user runs it: the numbers must be sane and no request may fail."""
 import json
-from pathlib import Path
-
 import pytest
 
 from xmoe.cli import main
-
-GSM8K = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 def bench(server, tmp_path, tool: str, *args: str) -> dict:
@@ -48,9 +44,9 @@ def test_toolcall(demo_server, tmp_path):
             assert isinstance(it["calls"], list) and it["passed"] == (it["reason"] is None)
 
 
-def test_gsm8k_with_agreement(demo_server, tmp_path):
+def test_gsm8k_with_agreement(demo_server, tmp_path, gsm8k_path):
     r = bench(demo_server, tmp_path, "gsm8k", "--n", "2", "--max-tokens", "48", "--concurrency", "1",
-              "--data", str(GSM8K), "--other-url", demo_server.base_url)
+              "--data", str(gsm8k_path), "--other-url", demo_server.base_url)
     assert r["n"] == 2 and r["errors"] == 0 and 0 <= r["accuracy"] <= 1
     assert [i["truth"] for i in r["items"]] == ["18", "3"]      # the first two answers of the test set
     # the same greedy server twice, one request at a time: the same replies
