@@ -11,6 +11,10 @@ class RequestError(OSError):
     """A request that failed: connection refused, timeout, or an HTTP error status (the message says which)."""
 
 
+class _NoResponse(Exception):
+    """The server closed the connection before answering."""
+
+
 @dataclass(frozen=True)
 class Endpoint:
     url: str                    # base URL, with or without a trailing /v1
@@ -44,14 +48,20 @@ class Client:
     def __init__(self, endpoint: Endpoint):
         self.base = _base(endpoint.url)
         headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+        # Idle connections are dropped before the server's keep-alive timeout (uvicorn: 5 s), so that a request
+        # is rarely sent on a connection the server is closing; one that is gets sent again (see _request).
         self.http = httpx.Client(headers=headers, timeout=endpoint.timeout,
-                                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+                                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
+                                                     keepalive_expiry=2.0))
         self.model = endpoint.model or self.models()[0]
 
     def _request(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
         url = self.base + path
         try:
-            r = self.http.request(method, url, json=body)
+            try:
+                r = self.http.request(method, url, json=body)
+            except httpx.RemoteProtocolError:   # closed by the server before any response: safe to resend
+                r = self.http.request(method, url, json=body)
         except httpx.HTTPError as e:
             raise RequestError(f"{url}: {type(e).__name__}: {e}") from e
         if r.status_code >= 400:
@@ -77,13 +87,23 @@ class Client:
         return self._request("POST", "/v1/completions", body).json()
 
     def stream_chat(self, messages: list[dict], max_tokens: int, **params) -> StreamResult:
+        try:
+            return self._stream_chat(messages, max_tokens, **params)
+        except _NoResponse:                     # closed by the server before any response: safe to resend
+            try:
+                return self._stream_chat(messages, max_tokens, **params)
+            except _NoResponse as e:
+                raise RequestError(f"{self.base}/v1/chat/completions: {e.__cause__}") from e
+
+    def _stream_chat(self, messages: list[dict], max_tokens: int, **params) -> StreamResult:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, **params}
         url = self.base + "/v1/chat/completions"
         t0 = time.perf_counter()
-        parts, times, usage = [], [], None
+        parts, times, usage, answered = [], [], None, False
         try:
             with self.http.stream("POST", url, json=body) as r:
+                answered = True
                 if r.status_code >= 400:
                     r.read()
                     raise RequestError(f"{url}: HTTP {r.status_code}: {_message(r)}")
@@ -94,6 +114,10 @@ class Client:
                         if delta.get("content") or delta.get("reasoning_content"):
                             parts.append(delta.get("content") or "")
                             times.append(time.perf_counter())
+        except httpx.RemoteProtocolError as e:
+            if not answered:
+                raise _NoResponse() from e
+            raise RequestError(f"{url}: {type(e).__name__}: {e}") from e
         except httpx.HTTPError as e:
             raise RequestError(f"{url}: {type(e).__name__}: {e}") from e
         if not times:
