@@ -92,3 +92,11 @@ def test_test_variant_as_built():
     assert 0 < info["mean_rel_err"] < 0.2
     config = json.loads((path / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "exl3" and config["num_local_experts"] == 4
+
+
+def test_serve_without_model_uses_the_demo_settings(capsys):
+    from xmoe.cli import main
+    assert main(["serve", "--demo", "test", "--dry-run", "--port", "9123"]) == 0
+    out = capsys.readouterr().out
+    assert str(demo_model("test")) in out and "served model name         xmoe-demo" in out
+    assert "--tool-call-parser hermes" in out and "--dtype float32" in out and "--port 9123" in out

@@ -126,3 +126,14 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("xmoe serve: error: ") for line in err)
     assert "does not exist" in err[0] and "128-column blocks" in err[1]
+
+
+def test_multimodal_config_reads_the_text_part(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "quantization_config": {"quant_method": "exl3"},
+        "text_config": {"moe_intermediate_size": 768, "max_position_embeddings": 4096}}))
+    assert ServeOptions(tmp_path, tensor_parallel_size=6).tensor_parallel_size == 6
+    with pytest.raises(ValueError, match="intermediate size 768"):
+        ServeOptions(tmp_path, tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="max_position_embeddings 4096"):
+        ServeOptions(tmp_path, max_model_len=5000)

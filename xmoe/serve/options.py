@@ -19,11 +19,19 @@ def read_config(model: Path) -> dict:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return config.get("text_config", config) if isinstance(config, dict) else {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return config
+
+
+def text_config(config: dict) -> dict:
+    """The language model's part of config.json (multimodal models nest it under text_config)."""
+    return config.get("text_config") or config
 
 
 def expert_width(config: dict, path: Path) -> int:
     """The experts' intermediate size (columns of down_proj) from config.json."""
+    config = text_config(config)
     for key in ("moe_intermediate_size", "intermediate_size"):
         if isinstance(config.get(key), int):
             return config[key]
@@ -82,7 +90,7 @@ class ServeOptions:
                              f"({path}) into whole {BLOCK}-column blocks; use a TP that divides {width // BLOCK}")
         if width % tp:
             raise ValueError(f"tensor-parallel-size {tp} does not divide the intermediate size {width} ({path})")
-        limit = self.config.get("max_position_embeddings")
+        limit = text_config(self.config).get("max_position_embeddings")
         if self.max_model_len and isinstance(limit, int) and self.max_model_len > limit:
             raise ValueError(f"max-model-len {self.max_model_len} exceeds the model's max_position_embeddings "
                              f"{limit} ({path})")
