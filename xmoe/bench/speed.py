@@ -134,11 +134,11 @@ def plot(result: dict, path: str) -> None:
     d = [r for r in result["decode"] if r["aggregate_tok_s"]]
     a.plot([r["streams"] for r in d], [r["aggregate_tok_s"] for r in d], "o-", label="aggregate")
     a.plot([r["streams"] for r in d], [r["stream_tok_s"] for r in d], "s--", label="per stream")
-    a.set(xlabel="concurrent streams", ylabel="decode tokens/s", title=result["model"])
+    a.set(xlabel="concurrent streams", ylabel="decode tokens/s", title=result["model"], ylim=(0, None))
     a.legend()
     p = result["prefill"]
     b.plot([r["prompt_tokens"] for r in p], [r["prefill_tok_s"] for r in p], "o-")
-    b.set(xlabel="prompt tokens", ylabel="prefill tokens/s", xscale="log")
+    b.set(xlabel="prompt tokens", ylabel="prefill tokens/s", xscale="log", ylim=(0, None))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
