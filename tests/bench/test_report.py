@@ -56,3 +56,18 @@ def test_long_text_falls_back_to_the_license_texts(tmp_path, monkeypatch, capsys
     mine = tmp_path / "t.txt"
     mine.write_text("words " * 10)
     assert texts.long_text(str(mine)) == ("words " * 10, str(mine))
+
+
+def test_options_are_checked_at_the_edge():
+    import pytest
+
+    from xmoe.bench.gsm8k import Gsm8kOptions
+    from xmoe.bench.humaneval import HumanEvalOptions
+    from xmoe.bench.needle import NeedleOptions
+    from xmoe.bench.replay import ReplayOptions
+    from xmoe.bench.toolcall import ToolcallOptions
+    for make in (lambda: NeedleOptions(depths=(1.5,)), lambda: ReplayOptions(sessions=0),
+                 lambda: ToolcallOptions(categories=("live_simple",)), lambda: Gsm8kOptions(n=0),
+                 lambda: HumanEvalOptions(mode="fim")):
+        with pytest.raises(ValueError):
+            make()

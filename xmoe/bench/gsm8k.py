@@ -20,6 +20,10 @@ class Gsm8kOptions:
     concurrency: int = 8
     data: str | None = None     # path to test.jsonl; None: the cached copy
 
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"gsm8k: --n must be at least 1, got {self.n}")
+
 
 def normalize(number: str) -> str:
     """'1,000.50' -> '1000.5', '-3.0' -> '-3': one spelling per value."""

@@ -21,6 +21,11 @@ class NeedleOptions:
     text: str | None = None                                # a text file; default: the KJV or the license texts
     seed: int = 0
 
+    def __post_init__(self):
+        if self.context < 64 or not all(0 <= d <= 1 for d in self.depths) or self.trials < 1:
+            raise ValueError(f"needle: need --context >= 64, depths in [0, 1] and --trials >= 1, got "
+                             f"{self.context}, {list(self.depths)}, {self.trials}")
+
 
 def messages(haystack: str) -> list[dict]:
     return [{"role": "user", "content": f"{haystack}\n\n{QUESTION}"}]

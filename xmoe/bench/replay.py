@@ -34,6 +34,11 @@ class ReplayOptions:
     text: str | None = None
     seed: int = 0
 
+    def __post_init__(self):
+        if self.duration <= 0 or self.sessions < 1 or self.max_tokens < 1:
+            raise ValueError(f"replay: need --duration > 0, --sessions >= 1 and --max-tokens >= 1, got "
+                             f"{self.duration}, {self.sessions}, {self.max_tokens}")
+
 
 class Tally:
     def __init__(self):

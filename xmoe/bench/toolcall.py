@@ -28,6 +28,12 @@ class ToolcallOptions:
     concurrency: int = 8
     tool_choice: str = "auto"   # "required" makes vLLM constrain the reply to a call (slow on CPUs)
 
+    def __post_init__(self):
+        unknown = [c for c in self.categories if c not in CATEGORIES]
+        if unknown or self.n < 1:
+            raise ValueError(f"toolcall: categories must be among {', '.join(CATEGORIES)} (got "
+                             f"{', '.join(self.categories)}) and --n >= 1 (got {self.n})")
+
 
 def schema(s):
     """A BFCL parameter schema as JSON Schema: its 'dict'/'float'/'tuple'/'any' types mapped, other keys dropped."""
