@@ -24,11 +24,11 @@ def _speed(args) -> int:
     rows = [{"streams": d["streams"], "decode tok/s per stream": d["stream_tok_s"],
              "aggregate tok/s": d["aggregate_tok_s"], "tokens short/long": f"{d['short_tokens']:g}/{d['long_tokens']:g}",
              "seconds short/long": f"{d['short_s']:.2f}/{d['long_s']:.2f}"} for d in result["decode"]]
-    prefill = [{"prompt tokens": p["prompt_tokens"], "seconds": p["seconds"], "prefill tok/s": p["prefill_tok_s"]}
-               for p in result["prefill"]]
+    prefill = [{"streams": p["streams"], "prompt tokens per stream": p["prompt_tokens"], "seconds": p["seconds"],
+                "prefill tok/s (aggregate)": p["prefill_tok_s"]} for p in result["prefill"]]
     forced = "" if result["forced"] else " (lengths NOT forced: the server refused min_tokens/ignore_eos)"
     report.emit(f"decode speed of {result['model']}{forced}", rows, result, args.json,
-                more=(("prefill (prefix cache bypassed), one stream", prefill),) if prefill else ())
+                more=(("prefill (prefix cache bypassed)", prefill),) if prefill else ())
     if args.plot:
         plot(result, args.plot)
         print(f"plot: {args.plot}")
@@ -129,7 +129,8 @@ def _load_parsers(tools) -> None:
     s.add_argument("--short", type=int, default=16)
     s.add_argument("--prompt-tokens", type=int, default=256, help="prompt length of the decode measurement")
     s.add_argument("--prefill", type=int, nargs="*", default=[2048], help="prompt lengths for prefill tok/s")
-    s.add_argument("--concurrency", type=int, nargs="+", default=[1, 4], help="stream counts to measure")
+    s.add_argument("--concurrency", type=int, nargs="+", default=[1, 4],
+                   help="stream counts to measure (decode and prefill)")
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--text", help="text file for prompts (default: the KJV or the license texts)")
     s.add_argument("--plot", metavar="PNG", help="plot the sweep (needs matplotlib)")

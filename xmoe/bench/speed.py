@@ -6,8 +6,8 @@ overheads cancel. With c concurrent streams, c distinct warmed prompts are sent 
 wall clock of the whole batch; aggregate = c x per-stream rate. Exact lengths are forced with vLLM's sampling
 extras `min_tokens` and `ignore_eos`; a server that rejects them is asked again without them and the lengths
 it reports in `usage` are used (flagged `forced: false`; replies that stop early make the figure noisier).
-Prefill: a prompt of L tokens behind a random prefix (so the prefix cache cannot help), one token generated;
-prefill tokens/s = prompt tokens / time."""
+Prefill: c prompts of L tokens at once, each behind a random prefix (so the prefix cache cannot help), one
+token generated; prefill tokens/s = all prompt tokens / wall time."""
 import random
 import statistics
 import sys
@@ -100,24 +100,27 @@ def decode(client: Client, force: Forcing, prompts: list[list[dict]], opts: Spee
             "stream_tok_s": per_stream, "aggregate_tok_s": per_stream and per_stream * c, "forced": force.forced}
 
 
-def prefill(client: Client, force: Forcing, prompts: Prompts, length: int, repeats: int) -> dict:
-    runs = [force.call(client, prompts.make(length), 1) for _ in range(repeats)]
+def prefill(client: Client, force: Forcing, prompts: Prompts, length: int, streams: int, repeats: int) -> dict:
+    """`streams` fresh prompts of `length` tokens sent at once, one token generated; aggregate prompt tokens/s."""
+    runs = [batch(client, force, [prompts.make(length) for _ in range(streams)], 1) for _ in range(repeats)]
     t = statistics.median(t for t, _ in runs)
-    tokens = statistics.median(u["prompt_tokens"] for _, u in runs)
-    return {"target_tokens": length, "prompt_tokens": tokens, "seconds": t, "prefill_tok_s": tokens / t}
+    total = statistics.median(sum(u["prompt_tokens"] for u in us) for _, us in runs)
+    return {"target_tokens": length, "streams": streams, "prompt_tokens": total / streams, "seconds": t,
+            "prefill_tok_s": total / t}
 
 
 def run(client: Client, opts: SpeedOptions) -> dict:
     prompts, force = Prompts(client, opts), Forcing()
-    steps = len(opts.concurrency) + len(opts.prefill)
+    steps = len(opts.concurrency) * (1 + len(opts.prefill))
     result = {"model": client.model, "text": prompts.source, "decode": [], "prefill": []}
     with tqdm(total=steps, desc="speed", unit="step", file=sys.stderr) as bar:
         for c in opts.concurrency:
             result["decode"].append(decode(client, force, [prompts.make(opts.prompt_tokens) for _ in range(c)], opts))
             bar.update()
         for length in opts.prefill:
-            result["prefill"].append(prefill(client, force, prompts, length, opts.repeats))
-            bar.update()
+            for c in opts.concurrency:
+                result["prefill"].append(prefill(client, force, prompts, length, c, opts.repeats))
+                bar.update()
     result["forced"] = force.forced
     return result
 
@@ -136,9 +139,11 @@ def plot(result: dict, path: str) -> None:
     a.plot([r["streams"] for r in d], [r["stream_tok_s"] for r in d], "s--", label="per stream")
     a.set(xlabel="concurrent streams", ylabel="decode tokens/s", title=result["model"], ylim=(0, None))
     a.legend()
-    p = result["prefill"]
-    b.plot([r["prompt_tokens"] for r in p], [r["prefill_tok_s"] for r in p], "o-")
-    b.set(xlabel="prompt tokens", ylabel="prefill tokens/s", xscale="log", ylim=(0, None))
+    for c in sorted({r["streams"] for r in result["prefill"]}):
+        p = [r for r in result["prefill"] if r["streams"] == c]
+        b.plot([r["prompt_tokens"] for r in p], [r["prefill_tok_s"] for r in p], "o-", label=f"{c} streams")
+    b.set(xlabel="prompt tokens per stream", ylabel="prefill tokens/s (aggregate)", xscale="log", ylim=(0, None))
+    b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
