@@ -1,7 +1,7 @@
 """From `ServeOptions` to the vLLM OpenAI server: the command line, its environment, a readable summary."""
 import json
-import shlex
 import os
+import shlex
 import sys
 
 from .options import MIDDLEWARE, ServeOptions, text_config
