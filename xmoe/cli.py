@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .serve.cli import add_serve_parser
     add_serve_parser(sub)
+
+    from .bench.cli import add_bench, add_eval
+    add_bench(sub)
+    add_eval(sub)
     return p
 
 
