@@ -20,6 +20,7 @@ BACKENDS = ("auto", "triton", "torch")
 log = logging.getLogger(__name__)
 
 
+@lru_cache(maxsize=None)  # fixed for the process: checked once per device, not on every call of the ops
 def triton_refusal(device: torch.device) -> str | None:
     """Why the Triton kernels cannot run on this device, or None when they can."""
     try:

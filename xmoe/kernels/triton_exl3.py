@@ -79,6 +79,17 @@ def decode_tiles(words, lo_off, hi_off, shift, CB: tl.constexpr, KLOG: tl.conste
 
 
 @triton.jit
+def decode(words, lo_off, hi_off, shift, CB: tl.constexpr, TILED: tl.constexpr, KLOG: tl.constexpr,
+           BK: tl.constexpr, BN: tl.constexpr):
+    """One (BK, BN) block of W-hat in fp16, by the tiled decoder or by per-weight gathers."""
+    if TILED:  # an explicit else: the compiler must not trace the gather branch with tile-shaped offsets
+        w = decode_tiles(words, lo_off, hi_off, shift, CB, KLOG, BK, BN)
+    else:
+        w = decode_block(words, lo_off, hi_off, shift, CB)
+    return w
+
+
+@triton.jit
 def load_had(had_ptr):
     """The (128, 128) ±1 Sylvester matrix, fp16 (exact; the 1/sqrt(128) is applied in fp32)."""
     return tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
@@ -173,18 +184,10 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
         a_off = pos[:, None] * k + step * BK + kr[None, :]
         block = step * (BK // 16) * n_tiles * W  # within one expert: fits int32
         a = tl.load(a0_ptr + a_off, mask=live[:, None], other=0.0)
-        if TILED:
-            w = decode_tiles(w0_base + block, lo_off, hi_off, shift, CB, KLOG, BK, BN)
-        else:
-            w = decode_block(w0_base + block, lo_off, hi_off, shift, CB)
-        acc0 = tl.dot(a, w, acc0)
+        acc0 = tl.dot(a, decode(w0_base + block, lo_off, hi_off, shift, CB, TILED, KLOG, BK, BN), acc0)
         if DUAL:
             a = tl.load(a1_ptr + a_off, mask=live[:, None], other=0.0)
-            if TILED:
-                w = decode_tiles(w1_base + block, lo_off, hi_off, shift, CB, KLOG, BK, BN)
-            else:
-                w = decode_block(w1_base + block, lo_off, hi_off, shift, CB)
-            acc1 = tl.dot(a, w, acc1)
+            acc1 = tl.dot(a, decode(w1_base + block, lo_off, hi_off, shift, CB, TILED, KLOG, BK, BN), acc1)
     out = (pid_s * P + pos)[:, None] * n + cols[None, :]
     tl.store(p0_ptr + out, acc0, mask=live[:, None])
     if DUAL:

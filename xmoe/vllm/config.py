@@ -90,9 +90,10 @@ class Exl3Config(QuantizationConfig):
 
 
 def kernel_backend(platform) -> str:
-    """"triton" (weights stay EXL3, decoded on the fly) on GPUs, where the kernels are required: a GPU they
-    cannot run on is an error that says why, never a silent decode to dense (~8x the memory). On the CPU
-    "torch" (decode at load), or the kernels when Triton emulates a GPU (TRITON_INTERPRET=1)."""
+    """The kernel backend for the platform: "triton" on GPUs (weights stay EXL3, decoded on the fly), where
+    the kernels are required: a GPU they cannot run on is an error that says why, never a silent decode to
+    dense (~8x the memory). On the CPU "torch" (decode at load), or the kernels when Triton emulates a GPU
+    (TRITON_INTERPRET=1)."""
     from ..kernels.ops import pick_backend
     if platform.is_cpu():
         return pick_backend("auto", torch.device("cpu"))
