@@ -162,16 +162,17 @@ def stack_step(layers, experts, stock, dev, tokens=6):
     return out
 
 
-def sweep(experts, dev, tokens):
-    """Time fused_moe under each launch setting (both GEMMs; plan still picks the K split)."""
+def sweep(experts, dev, tokens, grid):
+    """Time fused_moe under each launch setting of `grid` (BK, BN, warps, stages lists; both GEMMs; plan still
+    picks the K split)."""
     default = ops.plan
     for T in tokens:
         ids, weights = routing(T, E, TOPK, False, seed=T, device=dev)
         x = torch.randn(T, H, device=dev, dtype=torch.half)
-        for BK in (16, 32, 64):
-            for BN in (32, 64, 128):
-                for warps in (4, 8):
-                    for stages in (1, 2, 3):
+        for BK in grid["bk"]:
+            for BN in grid["bn"]:
+                for warps in grid["warps"]:
+                    for stages in grid["stages"]:
                         def chosen(chunks, n, k, rows, sms, K=2):
                             base = default(chunks, n, k, rows, sms, K)
                             split = max(1, min(k // BK, -(-4 * sms // (max(chunks, 1) * (n // BN)))))
@@ -192,6 +193,8 @@ def main():
     p.add_argument("--no-stock", action="store_true")
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--sweep", action="store_true", help="time launch settings of the gate/up and down GEMMs")
+    for name, default in (("bk", [16, 32, 64]), ("bn", [32, 64, 128]), ("warps", [4, 8]), ("stages", [1, 2, 3])):
+        p.add_argument(f"--{name}", type=int, nargs="+", default=default, help=f"--sweep grid ({name})")
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
     p.add_argument("--json")
     args = p.parse_args()
@@ -201,7 +204,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
     experts = random_experts(E, H, I, K, "mcg", device=dev)
     if args.sweep:
-        sweep(experts, dev, args.tokens)
+        sweep(experts, dev, args.tokens, vars(args))
         return
     stock = None
     if not args.no_stock:

@@ -28,6 +28,9 @@ was killed leaves ``<build_dir>/lock`` behind; delete it by hand.) Typical use::
     from benchmarks.stock import load_stock
     ext = load_stock()            # waits for / reuses the build above
 
+``XMOE_STOCK_SO=path/to/exllamav3_ext.so`` imports a finished build from an identical machine image
+instead (a fresh device machine then skips the ~300 s compile).
+
 Command line: ``python benchmarks/stock.py [--build-dir DIR] [--source PATH] [--verbose]
 [--dry-run]``. ``--dry-run`` unpacks the sources and prints the sources count and flags
 without compiling (works without a GPU).
@@ -214,12 +217,25 @@ def load_stock(
     needs the same build_dir, name and flags.
     source: wheel file, unpacked wheel dir or exllamav3_ext dir (default: the wheel in .whl/).
     """
+    prebuilt = os.environ.get("XMOE_STOCK_SO")
+    if prebuilt:
+        return load_prebuilt(prebuilt, name)
     from torch.utils.cpp_extension import load
     build_dir = os.path.abspath(build_dir or default_build_dir())
     os.makedirs(build_dir, exist_ok = True)
     sources_dir = resolve_sources_dir(source, build_dir)
     _set_build_env(arch, max_jobs)
     return load(**build_args(sources_dir, name), build_directory = build_dir, verbose = verbose)
+
+
+def load_prebuilt(path: str, name: str = EXT_NAME):
+    """Import an extension built earlier on an identical machine image ($XMOE_STOCK_SO), skipping the build."""
+    import importlib.util
+    import torch  # noqa: F401  (the extension links against torch's libraries)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_in_background(build_dir: str | None = None, log_path: str | None = None) -> subprocess.Popen:
