@@ -9,6 +9,7 @@ with more rows than exl3_moe takes. Both are timed from CUDA graphs where they c
     python benchmarks/moe_kernel.py [--tokens 6 12 24 48 1542 4096] [--no-stock] [--layers 40] [--json F]
 """
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -162,29 +163,48 @@ def stack_step(layers, experts, stock, dev, tokens=6):
     return out
 
 
-def sweep(experts, dev, tokens, grid):
-    """Time fused_moe under each launch setting of `grid` (BK, BN, warps, stages lists; both GEMMs; plan still
-    picks the K split)."""
-    default = ops.plan
+def sweep(experts, dev, tokens, grid, best_path=None):
+    """Time fused_moe under each launch setting of `grid` (lists of BM, BK, BN, warps, stages; both GEMMs, both
+    regimes; ops.plan still picks the K split). Writes the fastest setting per token count to best_path."""
+    tiled = ops.DECODER == "tiled"
+    default = dict(ops.TUNED)
+    best = {}
     for T in tokens:
         ids, weights = routing(T, E, TOPK, False, seed=T, device=dev)
         x = torch.randn(T, H, device=dev, dtype=torch.half)
-        for BK in grid["bk"]:
-            for BN in grid["bn"]:
-                for warps in grid["warps"]:
-                    for stages in grid["stages"]:
-                        def chosen(chunks, n, k, rows, sms, K=2):
-                            base = default(chunks, n, k, rows, sms, K)
-                            split = max(1, min(k // BK, -(-4 * sms // (max(chunks, 1) * (n // BN)))))
-                            return ops.Launch(base.BM, BN, split, BK, warps, stages, base.tiled)
-                        ops.plan = chosen
-                        try:
-                            t = time_graph(lambda: ops.fused_moe(x, ids, weights, experts, backend="triton"), reps=10)
-                            print(f"sweep T={T} BK={BK} BN={BN} warps={warps} stages={stages}: {t * 1e6:.1f} us",
-                                  flush=True)
-                        except Exception as e:
-                            print(f"sweep T={T} BK={BK} BN={BN} warps={warps} stages={stages}: {repr(e)[:80]}")
-    ops.plan = default
+        for cfg in itertools.product(grid["bm"], grid["bk"], grid["bn"], grid["warps"], grid["stages"]):
+            ops.TUNED.update({("decode", tiled): cfg, ("prefill", tiled): cfg})
+            try:
+                t = time_graph(lambda: ops.fused_moe(x, ids, weights, experts, backend="triton"), reps=10)
+            except Exception as e:
+                print(f"sweep T={T} BM,BK,BN,warps,stages={cfg}: {repr(e)[:80]}", flush=True)
+                continue
+            print(f"sweep T={T} BM,BK,BN,warps,stages={cfg}: {t * 1e6:.1f} us", flush=True)
+            if t < best.get(T, (None, float("inf")))[1]:
+                best[T] = (cfg, t)
+    ops.TUNED.update(default)
+    for T, (cfg, t) in best.items():
+        print(f"best T={T}: {cfg} {t * 1e6:.1f} us")
+    if best_path:
+        regime = lambda T: "decode" if T * TOPK / min(T * TOPK, E) <= 16 else "prefill"  # as ops.plan  # noqa: E731
+        Path(best_path).write_text(json.dumps({regime(T): cfg for T, (cfg, t) in best.items()}))
+
+
+def profile(experts, dev, tokens):
+    """Per-kernel CUDA time of fused_moe (torch profiler, 20 eager calls): where a call's time goes."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    for T in tokens:
+        ids, weights = routing(T, E, TOPK, False, seed=T, device=dev)
+        x = torch.randn(T, H, device=dev, dtype=torch.half)
+        ops.fused_moe(x, ids, weights, experts, backend="triton")
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                ops.fused_moe(x, ids, weights, experts, backend="triton")
+            torch.cuda.synchronize()
+        print(f"tokens {T}, uniform routing, per call:")
+        for ev in sorted(prof.key_averages(), key=lambda ev: -ev.device_time_total)[:12]:
+            print(f"  {ev.device_time_total / 20:9.1f} us  {ev.count // 20:3d}x  {ev.key[:90]}")
 
 
 def main():
@@ -192,19 +212,29 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[6, 12, 24, 48, 1542, 4096])
     p.add_argument("--no-stock", action="store_true")
     p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--profile", action="store_true", help="per-kernel time of one call per token count")
     p.add_argument("--sweep", action="store_true", help="time launch settings of the gate/up and down GEMMs")
-    for name, default in (("bk", [16, 32, 64]), ("bn", [32, 64, 128]), ("warps", [4, 8]), ("stages", [1, 2, 3])):
+    for name, default in (("bm", [16]), ("bk", [16, 32, 64]), ("bn", [32, 64, 128]), ("warps", [4, 8]),
+                          ("stages", [1, 2, 3])):
         p.add_argument(f"--{name}", type=int, nargs="+", default=default, help=f"--sweep grid ({name})")
+    p.add_argument("--best", help="--sweep: write the fastest setting per token count to this JSON file")
+    p.add_argument("--tuned", help="JSON {\"decode\": [BM, BK, BN, warps, stages], \"prefill\": [...]} to use")
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
     p.add_argument("--json")
     args = p.parse_args()
     ops.DECODER = args.decoder
+    if args.tuned:
+        for regime, cfg in json.loads(Path(args.tuned).read_text()).items():
+            ops.TUNED[regime, args.decoder == "tiled"] = tuple(cfg)
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
     experts = random_experts(E, H, I, K, "mcg", device=dev)
+    if args.profile:
+        profile(experts, dev, args.tokens)
+        return
     if args.sweep:
-        sweep(experts, dev, args.tokens, vars(args))
+        sweep(experts, dev, args.tokens, vars(args), args.best)
         return
     stock = None
     if not args.no_stock:

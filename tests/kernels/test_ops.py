@@ -75,12 +75,19 @@ def test_moe_interpreter():
     run_interpreted("\n".join(f"check_moe(**{c}, device='cpu')" for c in SMALL_MOE))
 
 
-def test_tiled_decoder_interpreter():
-    """The tiled decoder (K = 1, 2, 4, 8): each tile's words loaded once and spread onto the tile."""
+def test_gather_decoder_interpreter():
+    """The per-weight gather decoder (every K; the default takes it only where K is not 1, 2, 4 or 8)."""
     pytest.importorskip("triton")
     linear = [(3, 256, 256, K, cb, False) for K, cb in ((1, "mcg"), (2, "mcg"), (4, "3inst"), (8, "mul1"))]
-    run_interpreted("ops.DECODER = 'tiled'\n" + "\n".join(f"check_linear(*{c}, 'cpu')" for c in linear) + "\n" +
+    run_interpreted("ops.DECODER = 'gather'\n" + "\n".join(f"check_linear(*{c}, 'cpu')" for c in linear) + "\n" +
                     "\n".join(f"check_moe(**{c}, device='cpu')" for c in SMALL_MOE[:3]))
+
+
+def test_tiled_decoder_every_power_of_two_interpreter():
+    """The tiled decoder (the default for K = 1, 2, 4, 8): each tile's words loaded once and spread."""
+    pytest.importorskip("triton")
+    linear = [(3, 256, 256, K, cb, False) for K, cb in ((1, "mcg"), (8, "mul1"), (4, "mcg"), (2, "3inst"))]
+    run_interpreted("assert ops.DECODER == 'tiled'\n" + "\n".join(f"check_linear(*{c}, 'cpu')" for c in linear))
 
 
 def test_route_groups_slots_by_expert():

@@ -67,24 +67,23 @@ class Launch:
     tiled: bool = False  # decode_tiles (K = 1, 2, 4, 8: each tile's words loaded once), else per-weight gathers
 
 
-# (BK, BN, warps, stages) per row regime and decoder. The gather settings come from a timed sweep on an
-# H200 at DeepSeek-V4.1 shapes; the tiled ones (K = 1, 2, 4, 8) from SASS counts (fewest instructions per
-# weight without spills, benchmarks/kernel_sass.py). The tiled decoder becomes the default once it has been
-# run and timed on a GPU; until then it is tested under the interpreter and chosen by setting DECODER.
-DECODER = "gather"
-TUNED = {("decode", False): (64, 32, 4, 1), ("prefill", False): (16, 32, 4, 1),
-         ("decode", True): (64, 128, 8, 1), ("prefill", True): (32, 128, 8, 1)}
+# (BM, BK, BN, warps, stages) per row regime and decoder, from timed sweeps on an H200 at DeepSeek-V4.1 shapes
+# (benchmarks/moe_kernel.py --sweep). The tiled decoder (K = 1, 2, 4, 8) is the default; DECODER = "gather"
+# takes per-weight gathers everywhere (every K).
+DECODER = "tiled"
+TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
+         ("decode", True): (16, 64, 128, 8, 1), ("prefill", True): (64, 32, 128, 8, 1)}
 
 
 def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float = 2) -> Launch:
-    """Rows per chunk by regime; enough K splits to fill the GPU about four times over."""
+    """Tile sizes by regime; enough K splits to fill the GPU about four times over."""
     regime = "decode" if rows_per_chunk <= 16 else "prefill"
     tiled = DECODER == "tiled" and K in (1, 2, 4, 8)
-    BK, BN, warps, stages = TUNED[regime, tiled]
+    BM, BK, BN, warps, stages = TUNED[regime, tiled]
     BN = min(BN, n)
     programs = max(chunks, 1) * (n // BN)
     split = max(1, min(k // BK, -(-4 * sms // programs)))
-    return Launch(16 if regime == "decode" else 64, BN, split, BK, warps, stages, tiled)
+    return Launch(BM, BN, split, BK, warps, stages, tiled)
 
 
 @lru_cache(maxsize=None)

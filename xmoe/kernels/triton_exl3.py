@@ -69,24 +69,12 @@ def spread_words(words, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def decode_tiles(words, lo_off, hi_off, shift, CB: tl.constexpr, KLOG: tl.constexpr, BK: tl.constexpr,
-                 BN: tl.constexpr):
-    """decode_block for K = 1, 2, 4, 8: every tile's words loaded once (coalesced), then spread."""
-    lo = spread_words(tl.load(words + lo_off), KLOG, BK, BN).to(tl.uint32, bitcast=True)
-    hi = spread_words(tl.load(words + hi_off), KLOG, BK, BN).to(tl.uint32, bitcast=True)
+def decode_tiles(lo, hi, shift, CB: tl.constexpr, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """decode_block for K = 1, 2, 4, 8 from the (BK/16, BN/16, W) words of a block, each loaded once."""
+    lo = spread_words(lo, KLOG, BK, BN).to(tl.uint32, bitcast=True)
+    hi = spread_words(hi, KLOG, BK, BN).to(tl.uint32, bitcast=True)
     state = ((lo >> shift) | ((hi << 1) << (31 - shift))) & 0xFFFF
     return codebook_fp16(state, CB)
-
-
-@triton.jit
-def decode(words, lo_off, hi_off, shift, CB: tl.constexpr, TILED: tl.constexpr, KLOG: tl.constexpr,
-           BK: tl.constexpr, BN: tl.constexpr):
-    """One (BK, BN) block of W-hat in fp16, by the tiled decoder or by per-weight gathers."""
-    if TILED:  # an explicit else: the compiler must not trace the gather branch with tile-shaped offsets
-        w = decode_tiles(words, lo_off, hi_off, shift, CB, KLOG, BK, BN)
-    else:
-        w = decode_block(words, lo_off, hi_off, shift, CB)
-    return w
 
 
 @triton.jit
@@ -180,14 +168,34 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
     acc1 = tl.zeros((BM, BN), tl.float32)
     w0_base = t0_ptr + e * stride_te
     w1_base = t1_ptr + e * stride_te
-    for step in range(first, last):
-        a_off = pos[:, None] * k + step * BK + kr[None, :]
-        block = step * (BK // 16) * n_tiles * W  # within one expert: fits int32
-        a = tl.load(a0_ptr + a_off, mask=live[:, None], other=0.0)
-        acc0 = tl.dot(a, decode(w0_base + block, lo_off, hi_off, shift, CB, TILED, KLOG, BK, BN), acc0)
+    stride_step = (BK // 16) * n_tiles * W  # words per K step, within one expert: fits int32
+    a_off = pos[:, None] * k + kr[None, :]
+    if TILED:  # the next step's words are loaded before this step is decoded, to hide their latency
+        block = first * stride_step
+        lo0, hi0 = tl.load(w0_base + block + lo_off), tl.load(w0_base + block + hi_off)
+        lo1, hi1 = lo0, hi0
         if DUAL:
-            a = tl.load(a1_ptr + a_off, mask=live[:, None], other=0.0)
-            acc1 = tl.dot(a, decode(w1_base + block, lo_off, hi_off, shift, CB, TILED, KLOG, BK, BN), acc1)
+            lo1, hi1 = tl.load(w1_base + block + lo_off), tl.load(w1_base + block + hi_off)
+        for step in range(first, last):
+            block = tl.minimum(step + 1, last - 1) * stride_step
+            next_lo0, next_hi0 = tl.load(w0_base + block + lo_off), tl.load(w0_base + block + hi_off)
+            next_lo1, next_hi1 = next_lo0, next_hi0
+            if DUAL:
+                next_lo1, next_hi1 = tl.load(w1_base + block + lo_off), tl.load(w1_base + block + hi_off)
+            a = tl.load(a0_ptr + a_off + step * BK, mask=live[:, None], other=0.0)
+            acc0 = tl.dot(a, decode_tiles(lo0, hi0, shift, CB, KLOG, BK, BN), acc0)
+            if DUAL:
+                a = tl.load(a1_ptr + a_off + step * BK, mask=live[:, None], other=0.0)
+                acc1 = tl.dot(a, decode_tiles(lo1, hi1, shift, CB, KLOG, BK, BN), acc1)
+            lo0, hi0, lo1, hi1 = next_lo0, next_hi0, next_lo1, next_hi1
+    else:
+        for step in range(first, last):
+            block = step * stride_step
+            a = tl.load(a0_ptr + a_off + step * BK, mask=live[:, None], other=0.0)
+            acc0 = tl.dot(a, decode_block(w0_base + block, lo_off, hi_off, shift, CB), acc0)
+            if DUAL:
+                a = tl.load(a1_ptr + a_off + step * BK, mask=live[:, None], other=0.0)
+                acc1 = tl.dot(a, decode_block(w1_base + block, lo_off, hi_off, shift, CB), acc1)
     out = (pid_s * P + pos)[:, None] * n + cols[None, :]
     tl.store(p0_ptr + out, acc0, mask=live[:, None])
     if DUAL:
