@@ -167,22 +167,25 @@ def sweep(experts, dev, tokens, grid, best_path=None):
     """Time fused_moe under each launch setting of `grid` (lists of BM, BK, BN, warps, stages; both GEMMs, both
     regimes; ops.plan still picks the K split). Writes the fastest setting per token count to best_path."""
     tiled = ops.DECODER == "tiled"
-    default = dict(ops.TUNED)
+    default, default_fill = dict(ops.TUNED), ops.FILL
     best = {}
     for T in tokens:
         ids, weights = routing(T, E, TOPK, False, seed=T, device=dev)
         x = torch.randn(T, H, device=dev, dtype=torch.half)
-        for cfg in itertools.product(grid["bm"], grid["bk"], grid["bn"], grid["warps"], grid["stages"]):
+        for *cfg, fill in itertools.product(grid["bm"], grid["bk"], grid["bn"], grid["warps"], grid["stages"],
+                                            grid["fill"]):
+            cfg, ops.FILL = tuple(cfg), fill
             ops.TUNED.update({("decode", tiled): cfg, ("prefill", tiled): cfg})
             try:
                 t = time_graph(lambda: ops.fused_moe(x, ids, weights, experts, backend="triton"), reps=10)
             except Exception as e:
                 print(f"sweep T={T} BM,BK,BN,warps,stages={cfg}: {repr(e)[:80]}", flush=True)
                 continue
-            print(f"sweep T={T} BM,BK,BN,warps,stages={cfg}: {t * 1e6:.1f} us", flush=True)
+            print(f"sweep T={T} BM,BK,BN,warps,stages={cfg} fill={fill}: {t * 1e6:.1f} us", flush=True)
             if t < best.get(T, (None, float("inf")))[1]:
                 best[T] = (cfg, t)
     ops.TUNED.update(default)
+    ops.FILL = default_fill
     for T, (cfg, t) in best.items():
         print(f"best T={T}: {cfg} {t * 1e6:.1f} us")
     if best_path:
@@ -215,7 +218,7 @@ def main():
     p.add_argument("--profile", action="store_true", help="per-kernel time of one call per token count")
     p.add_argument("--sweep", action="store_true", help="time launch settings of the gate/up and down GEMMs")
     for name, default in (("bm", [16]), ("bk", [16, 32, 64]), ("bn", [32, 64, 128]), ("warps", [4, 8]),
-                          ("stages", [1, 2, 3])):
+                          ("stages", [1, 2, 3]), ("fill", [ops.FILL])):
         p.add_argument(f"--{name}", type=int, nargs="+", default=default, help=f"--sweep grid ({name})")
     p.add_argument("--best", help="--sweep: write the fastest setting per token count to this JSON file")
     p.add_argument("--tuned", help="JSON {\"decode\": [BM, BK, BN, warps, stages], \"prefill\": [...]} to use")

@@ -72,17 +72,20 @@ class Launch:
 # takes per-weight gathers everywhere (every K).
 DECODER = "tiled"
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
-         ("decode", True): (16, 64, 128, 8, 1), ("prefill", True): (64, 32, 128, 8, 1)}
+         ("decode", True): (16, 64, 64, 4, 2), ("prefill", True): (64, 64, 128, 4, 1)}
+
+
+FILL = 4  # programs per multiprocessor that the K split aims for
 
 
 def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float = 2) -> Launch:
-    """Tile sizes by regime; enough K splits to fill the GPU about four times over."""
+    """Tile sizes by regime; enough K splits to give each multiprocessor about FILL programs."""
     regime = "decode" if rows_per_chunk <= 16 else "prefill"
     tiled = DECODER == "tiled" and K in (1, 2, 4, 8)
     BM, BK, BN, warps, stages = TUNED[regime, tiled]
     BN = min(BN, n)
     programs = max(chunks, 1) * (n // BN)
-    split = max(1, min(k // BK, -(-4 * sms // programs)))
+    split = max(1, min(k // BK, -(-FILL * sms // programs)))
     return Launch(BM, BN, split, BK, warps, stages, tiled)
 
 
