@@ -90,6 +90,13 @@ def test_tiled_decoder_every_power_of_two_interpreter():
     run_interpreted("assert ops.DECODER == 'tiled'\n" + "\n".join(f"check_linear(*{c}, 'cpu')" for c in linear))
 
 
+def test_tiled_swapped_operands_interpreter():
+    """Tiled launches computing W^T a^T (ops.SWAP_AB): the weights as the MMA's first operand."""
+    pytest.importorskip("triton")
+    run_interpreted("ops.SWAP_AB = True\n" + "\n".join(f"check_linear(*{c}, 'cpu')" for c in SMALL_LINEAR[:2]) +
+                    "\n" + "\n".join(f"check_moe(**{c}, device='cpu')" for c in (SMALL_MOE[0], SMALL_MOE[2])))
+
+
 def test_route_groups_slots_by_expert():
     ids = torch.tensor([[3, 1], [1, 0], [3, 1], [2, 3]])
     r = ops.route(ids, experts=4, BM=2)
@@ -144,9 +151,10 @@ GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
            dict(M=12, E=32, hidden=300, inter=200, top_k=4, K=2, codebook="mul1", skew=False, K_down=3)]
 
 
-@pytest.fixture(params=["gather", "tiled"])
+@pytest.fixture(params=["gather", "tiled", "tiled-swap"])
 def decoder(request, monkeypatch):
-    monkeypatch.setattr(ops, "DECODER", request.param)
+    monkeypatch.setattr(ops, "DECODER", request.param.split("-")[0])
+    monkeypatch.setattr(ops, "SWAP_AB", request.param.endswith("swap"))
     return request.param
 
 

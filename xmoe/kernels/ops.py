@@ -65,12 +65,14 @@ class Launch:
     warps: int = 4
     stages: int = 2
     tiled: bool = False  # decode_tiles (K = 1, 2, 4, 8: each tile's words loaded once), else per-weight gathers
+    swap: bool = False  # tiled only: W^T a^T, the decoded weights as the MMA's wide first operand
 
 
 # (BM, BK, BN, warps, stages) per row regime and decoder, from timed sweeps on an H200 at DeepSeek-V4.1 shapes
 # (benchmarks/moe_kernel.py --sweep). The tiled decoder (K = 1, 2, 4, 8) is the default; DECODER = "gather"
 # takes per-weight gathers everywhere (every K).
 DECODER = "tiled"
+SWAP_AB = False  # tiled launches multiply W^T a^T (Hopper: wgmma with M = BN); see Launch.swap
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
          ("decode", True): (16, 64, 64, 4, 2), ("prefill", True): (64, 64, 128, 4, 1)}
 
@@ -86,7 +88,7 @@ def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float 
     BN = min(BN, n)
     programs = max(chunks, 1) * (n // BN)
     split = max(1, min(k // BK, -(-FILL * sms // programs)))
-    return Launch(BM, BN, split, BK, warps, stages, tiled)
+    return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and SWAP_AB)
 
 
 @lru_cache(maxsize=None)
@@ -131,7 +133,7 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
                        p0, p1 if p1 is not None else p0, p0.shape[1], w.k, w.n, stride_te,
                        W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], DUAL=second is not None,
                        BM=launch.BM, BN=launch.BN, BK=launch.BK, SPLIT=launch.split, TILED=tiled,
-                       KLOG=int(w.K).bit_length() - 1 if tiled else 1, num_warps=launch.warps,
+                       KLOG=int(w.K).bit_length() - 1 if tiled else 1, SWAP=tiled and launch.swap, num_warps=launch.warps,
                        num_stages=launch.stages)
 
 
@@ -232,7 +234,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K)
     down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K)
     down_launch = Launch(up_launch.BM, down_launch.BN, down_launch.split, down_launch.BK, down_launch.warps,
-                         down_launch.stages, down_launch.tiled)  # the same chunks, so the same BM
+                         down_launch.stages, down_launch.tiled, down_launch.swap)  # the same chunks: the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map)
     a = _padded_rows(x, g.k)
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)

@@ -78,6 +78,17 @@ def decode_tiles(lo, hi, shift, CB: tl.constexpr, KLOG: tl.constexpr, BK: tl.con
 
 
 @triton.jit
+def mma(a, w, acc, SWAP: tl.constexpr):
+    """acc + a @ w; SWAP keeps acc transposed and multiplies w^T a^T, so the decoded weights are the MMA's
+    first operand (M = BN rows) and the few token rows its narrow second one."""
+    if SWAP:
+        acc = tl.dot(tl.trans(w), tl.trans(a), acc)
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
 def load_had(had_ptr):
     """The (128, 128) ±1 Sylvester matrix, fp16 (exact; the 1/sqrt(128) is applied in fp32)."""
     return tl.load(had_ptr + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
@@ -117,7 +128,7 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
                  t0_ptr, t1_ptr, table_ptr, p0_ptr, p1_ptr, P, k, n, stride_te,
                  W: tl.constexpr, CB: tl.constexpr, DUAL: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                 TILED: tl.constexpr = False, KLOG: tl.constexpr = 1):
+                 TILED: tl.constexpr = False, KLOG: tl.constexpr = 1, SWAP: tl.constexpr = False):
     """Partial products p[split, pos, n] = a[pos] @ W-hat[e] over this split's K range, for the rows of one
     chunk (consecutive positions pos0 .. pos0+len-1 that share expert e).
 
@@ -164,8 +175,12 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
     per = tl.cdiv(steps, SPLIT)
     first = pid_s * per
     last = tl.minimum(steps, first + per)
-    acc0 = tl.zeros((BM, BN), tl.float32)
-    acc1 = tl.zeros((BM, BN), tl.float32)
+    if SWAP:
+        acc0 = tl.zeros((BN, BM), tl.float32)
+        acc1 = tl.zeros((BN, BM), tl.float32)
+    else:
+        acc0 = tl.zeros((BM, BN), tl.float32)
+        acc1 = tl.zeros((BM, BN), tl.float32)
     w0_base = t0_ptr + e * stride_te
     w1_base = t1_ptr + e * stride_te
     stride_step = (BK // 16) * n_tiles * W  # words per K step, within one expert: fits int32
@@ -183,10 +198,10 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
             if DUAL:
                 next_lo1, next_hi1 = tl.load(w1_base + block + lo_off), tl.load(w1_base + block + hi_off)
             a = tl.load(a0_ptr + a_off + step * BK, mask=live[:, None], other=0.0)
-            acc0 = tl.dot(a, decode_tiles(lo0, hi0, shift, CB, KLOG, BK, BN), acc0)
+            acc0 = mma(a, decode_tiles(lo0, hi0, shift, CB, KLOG, BK, BN), acc0, SWAP)
             if DUAL:
                 a = tl.load(a1_ptr + a_off + step * BK, mask=live[:, None], other=0.0)
-                acc1 = tl.dot(a, decode_tiles(lo1, hi1, shift, CB, KLOG, BK, BN), acc1)
+                acc1 = mma(a, decode_tiles(lo1, hi1, shift, CB, KLOG, BK, BN), acc1, SWAP)
             lo0, hi0, lo1, hi1 = next_lo0, next_hi0, next_lo1, next_hi1
     else:
         for step in range(first, last):
@@ -196,6 +211,8 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
             if DUAL:
                 a = tl.load(a1_ptr + a_off + step * BK, mask=live[:, None], other=0.0)
                 acc1 = tl.dot(a, decode_block(w1_base + block, lo_off, hi_off, shift, CB), acc1)
+    if SWAP:
+        acc0, acc1 = tl.trans(acc0), tl.trans(acc1)
     out = (pid_s * P + pos)[:, None] * n + cols[None, :]
     tl.store(p0_ptr + out, acc0, mask=live[:, None])
     if DUAL:
