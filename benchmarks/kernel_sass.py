@@ -14,23 +14,27 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from xmoe.kernels import triton_exl3  # noqa: E402
+from xmoe.kernels import ops, triton_exl3  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ARGS = [("a0_ptr", "*fp16"), ("a1_ptr", "*fp16"), ("chunk_pos_ptr", "*i32"), ("chunk_len_ptr", "*i32"),
         ("chunk_expert_ptr", "*i32"), ("n_chunks_ptr", "*i32"), ("t0_ptr", "*i32"), ("t1_ptr", "*i32"),
         ("table_ptr", "*i32"), ("p0_ptr", "*fp32"), ("p1_ptr", "*fp32"), ("P", "i32"), ("k", "i32"), ("n", "i32"),
         ("stride_te", "i32")]
-# (name, BM, BN, BK, warps, stages, dual, tiled): the tuned decode and prefill settings, single and dual
-# (gate+up), with per-weight gathers and with the tiled decode
-VARIANTS = [(f"{regime}{' dual' if dual else ''}{' tiled' if tiled else ''}", *shape, dual, tiled)
-            for tiled in (False, True) for regime, shape in (("decode", (16, 32, 64, 4, 1)),
-                                                             ("prefill", (64, 32, 16, 4, 1)))
-            for dual in (False, True)]
 
 
-def compile_variant(arch, BM, BN, BK, warps, stages, dual, tiled, K=2, CB=1):
-    consts = dict(W=8 * K, CB=CB, DUAL=dual, BM=BM, BN=BN, BK=BK, SPLIT=1, TILED=tiled, KLOG=K.bit_length() - 1)
+def variants():
+    """(name, BM, BN, BK, warps, stages, dual, tiled, swap): ops' tuned launches per regime and decoder, single
+    and dual (gate+up)."""
+    for (regime, tiled), (BM, BK, BN, warps, stages) in ops.TUNED.items():
+        for dual in (False, True):
+            name = f"{regime}{' dual' if dual else ''} {'tiled' if tiled else 'gather'}"
+            yield name, BM, BN, BK, warps, stages, dual, tiled, tiled and regime in ops.SWAP_AB
+
+
+def compile_variant(arch, BM, BN, BK, warps, stages, dual, tiled, swap=False, K=2, CB=1):
+    consts = dict(W=8 * K, CB=CB, DUAL=dual, BM=BM, BN=BN, BK=BK, SPLIT=1, TILED=tiled, KLOG=K.bit_length() - 1,
+                  SWAP=swap)
     sig = dict(ARGS, **{c: "constexpr" for c in consts})
     src = triton.compiler.ASTSource(fn=triton_exl3.grouped_gemm, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
@@ -57,15 +61,15 @@ def main():
     p.add_argument("--arch", type=int, default=90)
     args = p.parse_args()
     print(f"grouped_gemm, K=2 MCG, sm_{args.arch}, Triton {triton.__version__}")
-    for name, BM, BN, BK, warps, stages, dual, tiled in VARIANTS:
-        kernel = compile_variant(args.arch, BM, BN, BK, warps, stages, dual, tiled)
+    for name, BM, BN, BK, warps, stages, dual, tiled, swap in variants():
+        kernel = compile_variant(args.arch, BM, BN, BK, warps, stages, dual, tiled, swap)
         cubin = kernel.asm["cubin"]
         usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
         ops = loop_ops(tool("cuobjdump", cubin, "-sass"))
         per = BK * BN * (2 if dual else 1) / (32 * warps)  # weights decoded per thread per iteration
         total = sum(ops.values())
         top = ", ".join(f"{op} {n / per:.2f}" for op, n in ops.most_common(8))
-        print(f"{name:<20} BM={BM} BN={BN} BK={BK} warps={warps}: {usage.group(1)} registers, "
+        print(f"{name:<20} BM={BM} BN={BN} BK={BK} warps={warps}{' swap' if swap else ''}: {usage.group(1)} registers, "
               f"{usage.group(2)} B stack; loop {total / per:.1f} instructions per weight ({top})")
 
 

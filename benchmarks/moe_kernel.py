@@ -223,10 +223,11 @@ def main():
     p.add_argument("--best", help="--sweep: write the fastest setting per token count to this JSON file")
     p.add_argument("--tuned", help="JSON {\"decode\": [BM, BK, BN, warps, stages], \"prefill\": [...]} to use")
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
-    p.add_argument("--swap", action="store_true", help="tiled launches multiply W^T a^T (ops.SWAP_AB)")
+    p.add_argument("--swap", nargs="*", choices=("decode", "prefill"), default=sorted(ops.SWAP_AB),
+                   help="regimes whose tiled launches multiply W^T a^T (ops.SWAP_AB)")
     p.add_argument("--json")
     args = p.parse_args()
-    ops.DECODER, ops.SWAP_AB = args.decoder, args.swap
+    ops.DECODER, ops.SWAP_AB = args.decoder, set(args.swap)
     if args.tuned:
         for regime, cfg in json.loads(Path(args.tuned).read_text()).items():
             ops.TUNED[regime, args.decoder == "tiled"] = tuple(cfg)

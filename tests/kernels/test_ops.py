@@ -91,10 +91,11 @@ def test_tiled_decoder_every_power_of_two_interpreter():
 
 
 def test_tiled_swapped_operands_interpreter():
-    """Tiled launches computing W^T a^T (ops.SWAP_AB): the weights as the MMA's first operand."""
+    """Tiled launches computing W^T a^T (ops.SWAP_AB, by default at decode sizes) in both regimes."""
     pytest.importorskip("triton")
-    run_interpreted("ops.SWAP_AB = True\n" + "\n".join(f"check_linear(*{c}, 'cpu')" for c in SMALL_LINEAR[:2]) +
-                    "\n" + "\n".join(f"check_moe(**{c}, device='cpu')" for c in (SMALL_MOE[0], SMALL_MOE[2])))
+    calls = [f"check_linear(*{c}, 'cpu')" for c in SMALL_LINEAR[:2]] + \
+            [f"check_moe(**{c}, device='cpu')" for c in (SMALL_MOE[0], SMALL_MOE[2])]
+    run_interpreted("\n".join(["ops.SWAP_AB = {'decode', 'prefill'}", *calls]))
 
 
 def test_route_groups_slots_by_expert():
@@ -154,7 +155,7 @@ GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
 @pytest.fixture(params=["gather", "tiled", "tiled-swap"])
 def decoder(request, monkeypatch):
     monkeypatch.setattr(ops, "DECODER", request.param.split("-")[0])
-    monkeypatch.setattr(ops, "SWAP_AB", request.param.endswith("swap"))
+    monkeypatch.setattr(ops, "SWAP_AB", {"decode", "prefill"} if request.param.endswith("swap") else set())
     return request.param
 
 
