@@ -8,9 +8,11 @@ sort), so each weight tile is decoded once per chunk and applied to all its rows
 grids are sized from host-known bounds and the calls capture in CUDA graphs. K splits write fp32 partials
 that an epilogue sums in a fixed order (deterministic, no atomics), then rotates by H_128 and scales.
 
-Decode per weight: two word loads (L1 hits: a tile's 8K words feed 256 weights), a funnel shift, the
-codebook arithmetic (format/codebook.py), fp16. The word offsets and shifts of the 256 positions of a tile
-come from a 256-entry table per K (format.state_windows), hoisted out of the K loop.
+Two decoders. The tiled one (K = 1, 2, 4, 8, the default) loads each tile's words once, the next K step's
+while the current one is decoded, and spreads them over the tile by reshape, permute and broadcast; then a
+funnel shift and the codebook arithmetic (format/codebook.py) give fp16 weights. The gather one (every K)
+loads two words per weight, at offsets and shifts from a 256-entry table per K (format.state_windows).
+At decode sizes the product can be taken as W^T a^T (SWAP), the decoded weights being the MMA's wide operand.
 """
 import triton
 import triton.language as tl
