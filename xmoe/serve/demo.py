@@ -5,9 +5,10 @@ built under a `.partial-*` name and renamed when complete, so an interrupted bui
 (the quantization step resumes where it stopped). Variants:
 
 - `reference`: the unquantized MoE (bf16); the baseline for quality comparisons.
-- `full`: every routed expert of the 30 layers in EXL3, K=4 in the most sensitive layers and K=3 elsewhere
-  (the demo `xmoe serve` runs). At K=2 throughout, this 135M model loses too much to answer sensibly
-  (perplexity 19 -> 166 to 196, docs/RESULTS.md); the CPU encoder costs the same time per tensor at any K.
+- `full`: every routed expert of the 30 layers in EXL3, K=4 in the first and last layer and K=3 in the
+  other 28: 3.07 bits per expert weight on average (the demo `xmoe serve` runs). At K=2 throughout this 135M
+  model loses too much to answer sensibly (perplexity 19 -> 166, docs/RESULTS.md); a bit more costs the CPU
+  beam encoder almost no time, a better search at K=2 costs it a lot.
 - `test`: the experts of two layers (first and last) encoded at K=2 and the rest left at bf16 (a quick build
   for CI that still serves real answers through the EXL3 path).
 """
