@@ -9,7 +9,7 @@ are decoded into the demo's reference model, as `xmoe eval quality` does, and sc
 of /usr/share/common-licenses/GPL-3. An expert tensor's encoding depends only on its key, K, the encoder and
 the seed, so a composed recipe scores exactly what a pack built with that recipe would.
 
-One JSON line per recipe: the number of EXL3 expert tensors (of 360) and their mean K, KL(reference ||
+One JSON line per recipe, then a table: the number of EXL3 expert tensors (of 360) and their mean K, KL(reference ||
 recipe) mean / median / p99, perplexity in windows and over the first 1,024 tokens in one window
 (benchmarks/demo_quality.py's figure), top-1 agreement; with --answers, the greedy 32-token answers to the
 demo prompts.
@@ -67,7 +67,7 @@ def main() -> int:
     ref = logprobs(model, windows, "reference")
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                        tokenize=True, return_dict=True)["input_ids"] for q in PROMPTS]
-    cache = {}
+    cache, rows = {}, []
     for name, rules in recipes.items():
         layers, bits = compose(rules, cache)
         saved = swap(model, layers, list(layers))
@@ -79,8 +79,15 @@ def main() -> int:
                                   skip_special_tokens=True) for q in prompts] if args.answers else []
         restore(model, saved)
         mean_k = sum(bits.values()) / len(bits) if bits else None  # over the EXL3 tensors only
-        print(json.dumps({"recipe": name, "exl3_tensors": len(bits), "mean_K": mean_k, "ppl_1024": ppl_1024,
-                          **{k: v for k, v in s.items() if k != "kl_per_token"}, "answers": answers}), flush=True)
+        rows.append({"recipe": name, "exl3_tensors": len(bits), "mean_K": mean_k, "ppl_1024": ppl_1024,
+                     **{k: v for k, v in s.items() if k != "kl_per_token"}, "answers": answers})
+        print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'recipe':<48} {'EXL3':>5} {'mean K':>6} {'KL mean':>8} {'median':>7} {'p99':>6} {'ppl':>7} "
+          f"{'ppl 1024':>8} {'top-1':>6}")
+    for r in rows:
+        k = "" if r["mean_K"] is None else f"{r['mean_K']:.2f}"
+        print(f"{r['recipe'][:48]:<48} {r['exl3_tensors']:>5} {k:>6} {r['kl_mean']:>8.3f} {r['kl_median']:>7.3f} "
+              f"{r['kl_p99']:>6.2f} {r['ppl']:>7.2f} {r['ppl_1024']:>8.2f} {r['top1_agreement']:>6.1%}")
     return 0
 
 
