@@ -78,7 +78,7 @@ def _spans(layers: list[int]) -> str:
 
 
 LAYERS = 30  # SmolLM2-135M
-# At K=2 the first and the last layer each cost 6 to 8 times the KL of any other (docs/RESULTS.md): K=4.
+# At K=2 the first and the last layer each cost 7 to 8 times the median layer's KL (docs/RESULTS.md): K=4.
 FULL_K4 = r"^model\.layers\.(0|29)\."
 VARIANTS = {"full": Variant("full", "k3k4", None, beam_width=16, bits=3, bits_for=((FULL_K4, 4),)),
             "test": Variant("test", "k2", (0, 29), beam_width=16)}
