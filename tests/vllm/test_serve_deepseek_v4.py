@@ -2,7 +2,8 @@
 
 The checkpoint is in DeepSeek's own format, which vLLM reads (transformers reads it too): native names
 (`layers.N.ffn.experts.E.w1`) that vLLM renames on load, `compress_ratios`, `num_hash_layers`. vLLM's CPU
-routing kernels take only 64+ experts with top-6 or top-8, and its mHC kernel only bf16/fp16 activations.
+routing kernels take only 64, 128, 256 or 384 experts with top-6 or top-8, and its mHC kernel only
+bf16/fp16 activations.
 """
 import os
 from pathlib import Path
@@ -52,9 +53,15 @@ def served(model: Path, env: dict | None = None) -> list[list[int]]:
     "Triton-emulated test"))
 def test_deepseek_v4_experts(v4):
     """The server starts (the plugin loads layer 1's EXL3 experts under vLLM's renamed names); the first
-    completion is where stock vLLM 0.32 fails on the CPU."""
+    completion is where stock vLLM 0.32 fails on the CPU, for the reason given."""
     src, dst = v4
-    served(dst)
+    with Server(dst, "--dtype", "bfloat16") as server:
+        try:
+            server.greedy(dst)
+        except openai.InternalServerError:
+            server.log.seek(0)
+            assert "TypeError: 'function' object is not subscriptable" in server.log.read()
+            raise
 
 
 def test_deepseek_v4_experts_with_triton_emulated(v4, tmp_path):
