@@ -32,11 +32,15 @@ def hf_config(arch: str, base: dict = BASE):
                                    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                    v_head_dim=8)
     if arch == "deepseek_v4":
+        # vLLM's V4 attention stores KV as fp8_ds_mla (448 fp8 + 64 bf16 rope dims): head_dim 512 is fixed.
+        # Layer 0 routes by token hash (tid2eid), layer 1 by score; both attend through the sliding window.
         n = base["num_hidden_layers"]
-        return tf.DeepseekV4Config(**base, head_dim=64, moe_intermediate_size=64, q_lora_rank=32, n_routed_experts=4,
-                                   num_experts_per_tok=2, qk_rope_head_dim=16, o_groups=1, o_lora_rank=32,
-                                   index_n_heads=2, index_head_dim=32, index_topk=16, hc_mult=2, sliding_window=16,
-                                   layer_types=["compressed_sparse_attention"] * n, mlp_layer_types=["moe"] * n)
+        v4 = dict(head_dim=512, partial_rotary_factor=64 / 512, q_lora_rank=64, o_groups=2, o_lora_rank=64,
+                  moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                  index_n_heads=2, index_head_dim=64, index_topk=16, hc_mult=2, sliding_window=128,
+                  max_position_embeddings=256, layer_types=["sliding_attention"] * n,
+                  mlp_layer_types=["hash_moe"] + ["moe"] * (n - 1))
+        return tf.DeepseekV4Config(**{**v4, **{k: v for k, v in base.items() if k != "num_key_value_heads"}})
     raise ValueError(arch)
 
 
@@ -103,6 +107,33 @@ def save_deepseek_native(path: Path, seed: int = 0) -> Path:
     return _write(path, shards, {
         "model_type": "deepseek_v4", "num_hidden_layers": 2, "n_routed_experts": E, "hidden_size": H,
         "moe_intermediate_size": I, "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}})
+
+
+# transformers' DeepSeek-V4 names -> DeepSeek's own (transformers saves most of them already; it reads all).
+_V4_NATIVE = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+              "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+              "model.hc_head.hc_scale": "hc_head_scale"}
+
+
+def save_deepseek_v4(path: Path, seed: int = 0, base: dict = SERVE_BASE) -> Path:
+    """A random DeepSeek-V4 in DeepSeek's own format, which vLLM reads and transformers reads too: native
+    tensor names (`layers.N.ffn.experts.E.w1.weight`, `embed.weight`, `head.weight`) and a native config
+    (`compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`, `topk_method`) instead of transformers'
+    `layer_types` / `mlp_layer_types`."""
+    from safetensors.torch import load_file
+    tmp = save_hf("deepseek_v4", path.with_name(path.name + "-hf"), seed, base)
+    tensors = {}
+    for f in sorted(tmp.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    native = {_V4_NATIVE.get(k, k).removeprefix("model.").replace(".attn.norm.", ".attn.kv_norm."): v
+              for k, v in tensors.items()}
+    config = json.loads((tmp / "config.json").read_text())
+    n = config["num_hidden_layers"]
+    for key in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters", "partial_rotary_factor"):
+        config.pop(key)
+    config.update(compress_ratios=[0] * n, num_hash_layers=1, qk_rope_head_dim=64, topk_method="noaux_tc",
+                  expert_dtype="bf16")
+    return _write(path, [native], config)
 
 
 def save_fused_qwen3(path: Path, seed: int = 0) -> Path:

@@ -3,6 +3,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from xmoe.format import decode_weight
 from xmoe.format.layer import shard_files
@@ -21,8 +22,14 @@ def exl3_tensors(dst: Path) -> dict[str, dict]:
     return layers
 
 
+def hf_key(key: str) -> str:
+    """transformers' module name for a checkpoint key; DeepSeek's native `layers.N.ffn.` is `model.layers.N.mlp.`"""
+    return "model." + key.replace(".ffn.", ".mlp.", 1) if key.startswith("layers.") else key
+
+
 def set_decoded(model, key: str, w: torch.Tensor) -> None:
     """Write a decoded (in, out) weight into the transformers module that `key` names."""
+    key = hf_key(key)
     if EXPERT not in key:
         lin = model.get_submodule(key)
         lin.weight.data = w[: lin.in_features, : lin.out_features].T.contiguous()
@@ -48,4 +55,19 @@ def reference_tokens(src: Path, dst: Path, prompts: list[list[int]], n: int) -> 
     for p in prompts:
         ids = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
         out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def save_decoded(src: Path, dst: Path, out: Path) -> Path:
+    """`src` with every module that `dst` holds as EXL3 replaced by its decoded weight, in the source dtype:
+    the dense checkpoint that serving `dst` must be equivalent to."""
+    out.mkdir(parents=True)
+    tensors = {}
+    for name in shard_files(src)[0]:
+        tensors.update(load_file(str(src / name)))
+    for key, t in exl3_tensors(dst).items():
+        w = tensors[f"{key}.weight"]  # (out, in)
+        tensors[f"{key}.weight"] = decode_weight(t)[: w.shape[1], : w.shape[0]].T.to(w.dtype).contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text((src / "config.json").read_text())
     return out

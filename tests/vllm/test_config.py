@@ -41,3 +41,14 @@ def test_dispatch_by_checkpoint_contents():
     with pytest.raises(ValueError, match="only some are EXL3"):
         partial.get_quant_method(qkv(), f"{prefix}.qkv_proj")
     assert config({}).get_quant_method(object(), "model.norm") is None
+
+
+def test_checkpoint_names_follow_the_models_renames():
+    """DeepSeek-V4 keeps DeepSeek's own names (`layers.N.ffn.experts.E.w1`); vLLM renames them on load
+    (`model.layers.N.ffn...`), and the per-module choice must look them up under the new names."""
+    from vllm.models.deepseek_v4 import DeepseekV4ForCausalLM
+    c = config({f"layers.1.ffn.experts.{e}.{w}": EXL3 for e in range(4) for w in ("w1", "w2", "w3")})
+    c.apply_vllm_mapper(DeepseekV4ForCausalLM.hf_to_vllm_mapper.get_rename_mapper())
+    assert set(c._scanned()) == {f"model.layers.1.ffn.experts.{e}.{w}" for e in range(4) for w in ("w1", "w2", "w3")}
+    c.packed_modules_mapping = {"gate_up_proj": ["w1", "w3"]}
+    assert c._suffixes("model.layers.1.ffn.shared_experts.gate_up_proj") == [None, None]  # left dense

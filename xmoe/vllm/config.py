@@ -19,6 +19,7 @@ class Exl3Config(QuantizationConfig):
         super().__init__()
         self.qconfig = qconfig
         self.modules: dict[str, frozenset] | None = None  # filled by maybe_update_config
+        self.mapper = None  # the model's checkpoint-to-vLLM renames, set by apply_vllm_mapper
         original = qconfig.original_quantization_config
         self.original = None
         if original:
@@ -51,9 +52,17 @@ class Exl3Config(QuantizationConfig):
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
         self.modules = exl3_modules(model_name)
 
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        """Models that rename checkpoint tensors on load (DeepSeek-V4's native `layers.N.ffn...` becomes
+        `model.layers.N.ffn...`) pass their renames here; module keys are looked up under the new names."""
+        self.mapper = hf_to_vllm_mapper
+
     def _scanned(self) -> dict[str, frozenset]:
         if self.modules is None:
             raise RuntimeError("exl3: checkpoint not scanned (maybe_update_config was not called)")
+        if self.mapper is not None:  # rename once, as vLLM renames the tensors it loads
+            self.modules = {renamed(self.mapper, k): v for k, v in self.modules.items()}
+            self.mapper = None
         return self.modules
 
     def _suffixes(self, prefix: str) -> list[frozenset | None]:
@@ -87,6 +96,12 @@ class Exl3Config(QuantizationConfig):
                                  f"tensors differ ({found}); this is not supported")
             return Exl3LinearMethod(found[0], backend, prefix)
         return None
+
+
+def renamed(mapper, key: str) -> str:
+    """A checkpoint module key under the model's renames (mapped as its `.trellis` tensor is on load)."""
+    name = mapper.map_name(f"{key}.trellis")
+    return key if name is None else name.removesuffix(".trellis")
 
 
 def kernel_backend(platform) -> str:

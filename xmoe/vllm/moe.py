@@ -17,15 +17,18 @@ SHARD = {"w1": "gate", "w3": "up", "w2": "down"}
 def collector(layer: torch.nn.Module, suffix: str, experts: bool) -> torch.nn.Parameter:
     """An empty parameter whose loader keeps each delivered tensor in layer._exl3[(shard, expert)][suffix].
 
-    The loader has vLLM's signature for expert weights, or for (possibly merged) linear weights."""
+    The loader has vLLM's signature for expert weights, or for (possibly merged) linear weights. Experts are
+    kept under their local id; under expert parallelism another rank's experts are skipped."""
     param = torch.nn.Parameter(torch.empty(0), requires_grad=False)
 
     def keep(shard, expert, tensor):
         layer._exl3.setdefault((shard, expert), {})[suffix] = tensor.clone()
 
     def expert_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
-        keep(shard_id, expert_id, loaded_weight)
-        return True if return_success else None
+        local = layer._map_global_expert_id_to_local_expert_id(expert_id)  # -1: another EP rank's expert
+        if local >= 0:
+            keep(shard_id, local, loaded_weight)
+        return local >= 0 if return_success else None
 
     def linear_loader(param, loaded_weight, loaded_shard_id=None):
         keep(loaded_shard_id, None, loaded_weight)
@@ -37,14 +40,16 @@ def collector(layer: torch.nn.Module, suffix: str, experts: bool) -> torch.nn.Pa
 class Exl3MoEMethod(FusedMoEMethodBase):
     def __init__(self, moe, suffixes: frozenset, prefix: str, backend: str):
         super().__init__(moe)
-        if moe.ep_size > 1:
-            raise NotImplementedError("exl3: expert parallelism is not supported yet")
         self.suffixes = suffixes  # the stored tensors of each expert projection (trellis, suh, svh, marker)
         self.prefix = prefix
         self.backend = backend  # "triton": keep EXL3 and run the fused kernel; "torch": decode at load
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
+        fused = layer.expert_map_manager.num_fused_shared_experts
+        if fused:  # vLLM would load the dense shared expert into slot E, which holds no EXL3 tensors
+            raise NotImplementedError(f"exl3: {self.prefix}: {fused} shared expert(s) fused into the routed-expert "
+                                      "layer are not supported; serve without shared-expert fusion")
         layer._exl3 = {}
         layer._exl3_shape = (num_experts, hidden_size, intermediate_size_per_partition, params_dtype)
         for proj in ("w13", "w2"):
@@ -105,11 +110,15 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         if self.moe.activation.value != "silu":
             raise NotImplementedError(f"exl3: activation {self.moe.activation.value} is not supported yet")
         limit = self.moe.swiglu_limit
+        expert_map = layer.expert_map  # global -> local expert id, -1 for another rank's (None without EP)
         if self.backend == "triton":  # graph-safe: no host sync, scratch from the caching allocator
-            return fused_moe(x, topk_ids, topk_weights, layer._experts, limit, backend="triton")
+            return fused_moe(x, topk_ids, topk_weights, layer._experts, limit, expert_map, backend="triton")
+        local = topk_ids if expert_map is None else expert_map[topk_ids.long()]
         out = torch.zeros_like(x, dtype=torch.float32)
-        for e in topk_ids.unique().tolist():
-            token, slot = (topk_ids == e).nonzero(as_tuple=True)
+        for e in local.unique().tolist():
+            if e < 0:
+                continue
+            token, slot = (local == e).nonzero(as_tuple=True)
             gate, up = (x[token] @ layer.w13_weight[e].T).chunk(2, dim=-1)
             y = activation_ref(gate, up, limit) @ layer.w2_weight[e].T
             out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
