@@ -155,7 +155,9 @@ def demo_model(variant: str = "full", root: Path | None = None) -> Path:
         t0 = time.perf_counter()
         partial = final.with_name(".partial-" + final.name)  # the converter resumes an interrupted run here
         print(f"xmoe demo: encoding the routed experts, {v.describe()}, into {final}", flush=True)
-        report = convert(src, partial, v.options(), ["cpu"])
+        # one single-threaded worker per core: a busy machine slows each a little, rather than stalling
+        # torch's threads on one another (a tensor then takes 10-100 s instead of a few)
+        report = convert(src, partial, v.options(), ["cpu"] * max(1, os.cpu_count() or 1))
         errs = [t["rel_err"] for t in report["tensors"]]
         _write_info(partial, {**json.loads((src / INFO).read_text()), "variant": variant, "description": v.describe(),
                               "mean_bits": v.mean_bits(), "layer_bits": v.layer_bits(),
