@@ -179,7 +179,7 @@ def sweep(experts, dev, tokens, grid, best_path=None):
             try:
                 t = time_graph(lambda: ops.fused_moe(x, ids, weights, experts, backend="triton"), reps=10)
             except Exception as e:
-                print(f"sweep T={T} BM,BK,BN,warps,stages={cfg}: {repr(e)[:80]}", flush=True)
+                print(f"sweep T={T} BM,BK,BN,warps,stages={cfg} fill={fill}: {repr(e)[:80]}", flush=True)
                 continue
             print(f"sweep T={T} BM,BK,BN,warps,stages={cfg} fill={fill}: {t * 1e6:.1f} us", flush=True)
             if t < best.get(T, (None, float("inf")))[1]:
@@ -189,8 +189,8 @@ def sweep(experts, dev, tokens, grid, best_path=None):
     for T, (cfg, t) in best.items():
         print(f"best T={T}: {cfg} {t * 1e6:.1f} us")
     if best_path:
-        regime = lambda T: "decode" if T * TOPK / min(T * TOPK, E) <= 16 else "prefill"  # as ops.plan  # noqa: E731
-        Path(best_path).write_text(json.dumps({regime(T): cfg for T, (cfg, t) in best.items()}))
+        Path(best_path).write_text(json.dumps({ops.regime(T * TOPK / min(T * TOPK, E)): cfg  # as fused_moe plans
+                                               for T, (cfg, t) in best.items()}))
 
 
 def profile(experts, dev, tokens):

@@ -6,7 +6,7 @@ reference. Asking for Triton where it cannot run is an error that says why; noth
 """
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -82,15 +82,20 @@ TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32,
 FILL = 4  # programs per multiprocessor that the K split aims for
 
 
+def regime(rows_per_chunk: float) -> str:
+    """The row regime, the key of TUNED and SWAP_AB: "decode" for a few rows per weight, else "prefill"."""
+    return "decode" if rows_per_chunk <= 16 else "prefill"
+
+
 def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float = 2) -> Launch:
     """Tile sizes by regime; enough K splits to give each multiprocessor about FILL programs."""
-    regime = "decode" if rows_per_chunk <= 16 else "prefill"
+    mode = regime(rows_per_chunk)
     tiled = DECODER == "tiled" and K in (1, 2, 4, 8)
-    BM, BK, BN, warps, stages = TUNED[regime, tiled]
+    BM, BK, BN, warps, stages = TUNED[mode, tiled]
     BN = min(BN, n)
     programs = max(chunks, 1) * (n // BN)
     split = max(1, min(k // BK, -(-FILL * sms // programs)))
-    return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and regime in SWAP_AB)
+    return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and mode in SWAP_AB)
 
 
 @lru_cache(maxsize=None)
@@ -235,8 +240,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     unique = min(P, E)
     up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K)
     down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K)
-    down_launch = Launch(up_launch.BM, down_launch.BN, down_launch.split, down_launch.BK, down_launch.warps,
-                         down_launch.stages, down_launch.tiled, down_launch.swap)  # the same chunks: the same BM
+    down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map)
     a = _padded_rows(x, g.k)
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)

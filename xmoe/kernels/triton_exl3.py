@@ -71,6 +71,12 @@ def spread_words(words, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def load_words(base, lo_off, hi_off):
+    """The (BK/16, BN/16, W) words of a block and, for each, the word its states continue into."""
+    return tl.load(base + lo_off), tl.load(base + hi_off)
+
+
+@triton.jit
 def decode_tiles(lo, hi, shift, CB: tl.constexpr, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     """decode_block for K = 1, 2, 4, 8 from the (BK/16, BN/16, W) words of a block, each loaded once."""
     lo = spread_words(lo, KLOG, BK, BN).to(tl.uint32, bitcast=True)
@@ -189,16 +195,16 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
     a_off = pos[:, None] * k + kr[None, :]
     if TILED:  # the next step's words are loaded before this step is decoded, to hide their latency
         block = first * stride_step
-        lo0, hi0 = tl.load(w0_base + block + lo_off), tl.load(w0_base + block + hi_off)
+        lo0, hi0 = load_words(w0_base + block, lo_off, hi_off)
         lo1, hi1 = lo0, hi0
         if DUAL:
-            lo1, hi1 = tl.load(w1_base + block + lo_off), tl.load(w1_base + block + hi_off)
+            lo1, hi1 = load_words(w1_base + block, lo_off, hi_off)
         for step in range(first, last):
             block = tl.minimum(step + 1, last - 1) * stride_step
-            next_lo0, next_hi0 = tl.load(w0_base + block + lo_off), tl.load(w0_base + block + hi_off)
+            next_lo0, next_hi0 = load_words(w0_base + block, lo_off, hi_off)
             next_lo1, next_hi1 = next_lo0, next_hi0
             if DUAL:
-                next_lo1, next_hi1 = tl.load(w1_base + block + lo_off), tl.load(w1_base + block + hi_off)
+                next_lo1, next_hi1 = load_words(w1_base + block, lo_off, hi_off)
             a = tl.load(a0_ptr + a_off + step * BK, mask=live[:, None], other=0.0)
             acc0 = mma(a, decode_tiles(lo0, hi0, shift, CB, KLOG, BK, BN), acc0, SWAP)
             if DUAL:
