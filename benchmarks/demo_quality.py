@@ -17,12 +17,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
 from reference import exl3_tensors, set_decoded  # noqa: E402
 
+from xmoe.bench.cli import QUALITY_TEXT  # noqa: E402
 from xmoe.format import decode_weight  # noqa: E402
 from xmoe.serve.demo import demo_model, demo_reference  # noqa: E402
 from xmoe.serve.load import PROMPTS  # noqa: E402
 
-TEXT = Path("/usr/share/common-licenses/GPL-3")
+TEXT = Path(QUALITY_TEXT)
 N = 32
+
+
+def chat_prompts(tok) -> list[list[int]]:
+    """The demo prompts (xmoe.serve.load.PROMPTS) as chat-templated token ids."""
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=True)["input_ids"] for q in PROMPTS]
 
 
 def load(variant: str):
@@ -65,8 +72,7 @@ def main() -> int:
     args = p.parse_args()
     tok = AutoTokenizer.from_pretrained(demo_reference())
     text_ids = torch.tensor(tok(TEXT.read_text())["input_ids"][:1024])
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=True)["input_ids"] for q in PROMPTS]
+    prompts = chat_prompts(tok)
     ref_model = load("reference")
     ref = answers(ref_model, prompts)
     rows = [{"variant": "reference", "ppl": perplexity(ref_model, text_ids), "token_agreement": 1.0,

@@ -21,14 +21,12 @@ import sys
 from pathlib import Path
 
 import torch
+from demo_quality import TEXT, answers, chat_prompts, perplexity
 
 from xmoe.bench.quality import compare, logprobs, pack_layers, restore, swap
 from xmoe.format import load_layer
 from xmoe.format.trellis import bits_from_trellis
 from xmoe.serve.demo import demo_reference
-from xmoe.serve.load import PROMPTS
-
-TEXT = Path("/usr/share/common-licenses/GPL-3")
 
 
 def exl3_sources(pack: Path) -> dict[str, tuple[Path, int | None]]:
@@ -65,22 +63,18 @@ def main() -> int:
     windows = ids[: args.tokens // args.window * args.window].reshape(-1, args.window)
     model = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     ref = logprobs(model, windows, "reference")
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                       tokenize=True, return_dict=True)["input_ids"] for q in PROMPTS]
+    prompts = chat_prompts(tok)
     cache, rows = {}, []
     for name, rules in recipes.items():
         layers, bits = compose(rules, cache)
         saved = swap(model, layers, list(layers))
         s = compare(ref, logprobs(model, windows, name), windows)
-        with torch.inference_mode():
-            ppl_1024 = float(torch.nn.functional.cross_entropy(model(ids[None, :1024]).logits[0, :-1],
-                                                               ids[1:1024]).exp())
-            answers = [tok.decode(model.generate(torch.tensor([q]), max_new_tokens=32, do_sample=False)[0, len(q):],
-                                  skip_special_tokens=True) for q in prompts] if args.answers else []
+        ppl_1024 = perplexity(model, ids[:1024])
+        said = [tok.decode(a, skip_special_tokens=True) for a in answers(model, prompts)] if args.answers else []
         restore(model, saved)
         mean_k = sum(bits.values()) / len(bits) if bits else None  # over the EXL3 tensors only
         rows.append({"recipe": name, "exl3_tensors": len(bits), "mean_K": mean_k, "ppl_1024": ppl_1024,
-                     **{k: v for k, v in s.items() if k != "kl_per_token"}, "answers": answers})
+                     **{k: v for k, v in s.items() if k != "kl_per_token"}, "answers": said})
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'recipe':<48} {'EXL3':>5} {'mean K':>6} {'KL mean':>8} {'median':>7} {'p99':>6} {'ppl':>7} "
           f"{'ppl 1024':>8} {'top-1':>6}")
