@@ -1,9 +1,11 @@
 """`xmoe quantize` speed on one GPU at DeepSeek-V4.1 expert shapes, against exllamav3's encoder in the
 same run, and the projected time for a whole V4.1 pack; plus an interop check: a small pack written by
-`xmoe quantize` decodes identically under exllamav3's `reconstruct`.
+`xmoe quantize` decodes identically under exllamav3's `reconstruct`. With --scaling, whole `xmoe quantize`
+runs over a slice of V4.1-shaped experts on one GPU and on every visible GPU, wall-clock.
 """
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -46,6 +48,46 @@ def speed(ext, K: int, codebook: str) -> list[dict]:
     return rows
 
 
+def v41_slice(path: Path, layers: int, experts: int, hidden: int = 5120, inter: int = 2304) -> Path:
+    """A checkpoint of DeepSeek-V3 key names holding only routed experts at V4.1's shapes, a shard per layer."""
+    from safetensors.torch import save_file
+
+    from xmoe.quant.plan import INDEX
+
+    path.mkdir(parents=True)
+    gen, weight_map = torch.Generator().manual_seed(0), {}
+    for layer in range(layers):
+        shard, tensors = f"model-{layer + 1:05d}-of-{layers:05d}.safetensors", {}
+        for e in range(experts):
+            for proj, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
+                                ("down_proj", (hidden, inter))):
+                name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+                weight_map[name] = shard
+        save_file(tensors, str(path / shard), metadata={"format": "pt"})
+    (path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": hidden,
+              "moe_intermediate_size": inter, "n_routed_experts": experts, "num_hidden_layers": layers}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def scaling(tmp: Path, layers: int, experts: int, device_sets: list[list[str]], **shape) -> list[dict]:
+    """Wall-clock of whole `xmoe quantize` runs (K=2 MCG, Viterbi) on each set of devices, same source."""
+    from xmoe.quant.convert import convert
+    from xmoe.quant.plan import ConvertOptions
+
+    src = v41_slice(tmp / "src", layers, experts, **shape)
+    rows = []
+    for devices in device_sets:
+        dst = tmp / f"dst-{len(devices)}"
+        t0 = time.perf_counter()
+        report = convert(src, dst, ConvertOptions(bits=2, codebook="mcg", encoder="viterbi"), devices)
+        rows.append({"devices": devices, "tensors": report["experts"], "seconds": time.perf_counter() - t0})
+        shutil.rmtree(dst)
+    return rows
+
+
 def interop(ext, tmp: Path) -> dict:
     from checkpoints import save_hf
     from safetensors import safe_open
@@ -70,6 +112,8 @@ def interop(ext, tmp: Path) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--scaling", type=int, nargs=2, metavar=("LAYERS", "EXPERTS"),
+                    help="also time whole runs over LAYERS x EXPERTS V4.1-shaped experts on 1 and on all GPUs")
     args = ap.parse_args()
     ext = load_stock()
     report = {"gpu": torch.cuda.get_device_name(), "speed": speed(ext, 2, "mcg")}
@@ -85,6 +129,15 @@ def main():
         report["interop"] = interop(ext, Path(tmp))
     print(f"interop: {report['interop']['identical']}/{report['interop']['modules']} expert modules of an xmoe "
           "pack decode identically under exllamav3's reconstruct")
+    if args.scaling:
+        gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        with tempfile.TemporaryDirectory() as tmp:
+            report["scaling"] = scaling(Path(tmp), *args.scaling, [gpus[:1]] + ([gpus] if len(gpus) > 1 else []))
+        base = report["scaling"][0]["seconds"]
+        print(f"{'xmoe quantize, K=2 mcg':<24} {'tensors':>8} {'wall':>8} {'s/tensor':>9} {'speedup':>8}")
+        for r in report["scaling"]:
+            print(f"{len(r['devices'])} GPU{'s' if len(r['devices']) > 1 else '':<20} {r['tensors']:>8} "
+                  f"{r['seconds']:>7.1f}s {r['seconds'] / r['tensors']:>9.3f} {base / r['seconds']:>7.2f}x")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

@@ -1,51 +1,61 @@
 """The tail-biting Viterbi of viterbi.py as one Triton kernel: one program per tile, integer K.
 
-Per step the program evaluates all 65,536 states in chunks of EB x KB (EB nodes, KB = 2^K choices of the
-new high bits), decoding each codebook value in registers. Path costs (fp32) ping-pong through a small
-per-tile scratch that stays in L2; backpointers are one byte per (step, node).
+Costs are kept per node (the low 16 - K bits of a state, all its successor sees of it): after position q
+the cost of node n is the min over the K high bits k of err(k|n, w_q) + the cost of node (k|n) >> K.
+Each thread holds runs of 2^LG consecutive nodes, which share that predecessor for every k: one load
+feeds them all and the min over k stays in registers, so a candidate costs its codebook evaluation, a
+squared error and a compare. Costs (fp32) ping-pong through a small per-tile scratch that stays in L2;
+backpointers are one byte per (step, node).
 """
 import torch
 import triton
 import triton.language as tl
 
-from ..format.codebook import CODEBOOKS, codebook_table
+from ..format.codebook import CODEBOOKS
 from ..kernels.triton_exl3 import codebook_fp16
 
-# Launch settings per K (candidate states per chunk, warps, codebook from a table or in registers),
-# swept on an H200 over block 1024/2048/4096 x warps 4/8 x table on/off (docs/RESULTS.md).
-TUNED = {2: (1024, 8, False), 3: (2048, 8, True), 4: (2048, 4, True)}
-DEFAULT = (2048, 8, True)
+# Launch settings per K: (nodes per chunk, warps), swept on an H200 (docs/RESULTS.md).
+TUNED = {2: (1024, 8), 3: (2048, 8), 4: (1024, 8)}
+DEFAULT = (2048, 8)
 
 
 @triton.jit
-def _forward(tile, cost, bp, table, first_q, n_steps, bp_from, K: tl.constexpr, CB: tl.constexpr,
-             EB: tl.constexpr, TABLE: tl.constexpr):
+def _forward(tile, cost, bp, first_q, n_steps, bp_from, K: tl.constexpr, CB: tl.constexpr, EB: tl.constexpr):
     """Steps q = first_q .. first_q+n_steps-1 over positions q % 256; costs start in slot 0."""
     NODES: tl.constexpr = 1 << (16 - K)
-    k = tl.arange(0, 1 << K)[None, :]  # the reduced axis is the fast one: the min stays inside a thread
+    ROWS: tl.constexpr = NODES >> K
+    LG: tl.constexpr = 2 if K >= 2 else 1  # 2^LG consecutive nodes per thread share one predecessor load
     eo = tl.arange(0, EB)
+    row = tl.arange(0, EB >> LG) >> (K - LG)  # predecessor offset of each group of 2^LG nodes
     for i in range(n_steps):
-        q = first_q + i
-        w = tl.load(tile + q % 256)
+        w = tl.load(tile + (first_q + i) % 256)
         src = cost + (i % 2) * NODES
         dst = cost + ((i + 1) % 2) * NODES
         for e0 in range(0, NODES, EB):
-            s = (k << (16 - K)) | (e0 + eo)[:, None]
-            if TABLE:  # coalesced: for each k, consecutive nodes are consecutive states
-                v = tl.load(table + s)
-            else:
+            node = tl.multiple_of(e0, EB) + eo
+            best = tl.full([EB], float("inf"), tl.float32)
+            arg = tl.zeros([EB], tl.int32)
+            for k in range(1 << K):
+                s = (k << (16 - K)) + node
                 v = codebook_fp16(s.to(tl.uint32), CB).to(tl.float32)
-            c = (v - w) * (v - w) + tl.load(src + (s >> K))
-            best, arg = tl.min(c, axis=1, return_indices=True)
-            tl.store(dst + e0 + eo, best)
+                # nodes that differ only in their low K bits share the predecessor: one load per
+                # 2^LG of them, repeated in registers
+                prev = tl.load(src + k * ROWS + (tl.multiple_of(e0, EB) >> K) + row)
+                for _ in tl.static_range(LG):
+                    prev = tl.interleave(prev, prev)
+                c = (v - w) * (v - w) + prev
+                better = c < best  # strict: ties keep the lowest k, as torch's min does
+                best = tl.where(better, c, best)
+                arg = tl.where(better, k, arg)
+            tl.store(dst + node, best)
             if i >= bp_from:
-                tl.store(bp + (i - bp_from) * NODES + e0 + eo, arg.to(tl.uint8))
+                tl.store(bp + (i - bp_from) * NODES + node, arg.to(tl.uint8))
         tl.debug_barrier()
 
 
 @triton.jit
-def _viterbi_kernel(tiles_ptr, states_ptr, cost_ptr, bp_ptr, table, K: tl.constexpr, CB: tl.constexpr,
-                    WARMUP: tl.constexpr, EB: tl.constexpr, TABLE: tl.constexpr):
+def _viterbi_kernel(tiles_ptr, states_ptr, cost_ptr, bp_ptr, K: tl.constexpr, CB: tl.constexpr,
+                    WARMUP: tl.constexpr, EB: tl.constexpr):
     """One program per tile: pass 1 (free start, traced to the node of s_255), pass 2 (closed), traceback."""
     NODES: tl.constexpr = 1 << (16 - K)
     t = tl.program_id(0).to(tl.int64)
@@ -59,7 +69,7 @@ def _viterbi_kernel(tiles_ptr, states_ptr, cost_ptr, bp_ptr, table, K: tl.conste
     for e0 in range(0, NODES, EB):
         tl.store(cost + e0 + eo, tl.zeros([EB], tl.float32))
     tl.debug_barrier()
-    _forward(tile, cost, bp, table, 256 - WARMUP, 2 * WARMUP, WARMUP, K, CB, EB, TABLE)
+    _forward(tile, cost, bp, 256 - WARMUP, 2 * WARMUP, WARMUP, K, CB, EB)
     best_v = tl.full([EB], inf, tl.float32)
     best_i = tl.zeros([EB], tl.int32)
     for e0 in range(0, NODES, EB):  # 2*WARMUP steps is even: final costs are in slot 0
@@ -77,7 +87,7 @@ def _viterbi_kernel(tiles_ptr, states_ptr, cost_ptr, bp_ptr, table, K: tl.conste
     for e0 in range(0, NODES, EB):
         tl.store(cost + e0 + eo, tl.where(e0 + eo == e, 0.0, inf))
     tl.debug_barrier()
-    _forward(tile, cost, bp, table, 0, 256, 0, K, CB, EB, TABLE)
+    _forward(tile, cost, bp, 0, 256, 0, K, CB, EB)
     for i in range(256):
         q = 255 - i
         s = (tl.load(bp + q * NODES + e).to(tl.int32) << (16 - K)) | e
@@ -86,13 +96,13 @@ def _viterbi_kernel(tiles_ptr, states_ptr, cost_ptr, bp_ptr, table, K: tl.conste
 
 
 def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128,
-                   scratch_bytes: int = 4 << 30, block: int | None = None, num_warps: int | None = None,
-                   table: bool | None = None) -> torch.Tensor:
+                   scratch_bytes: int = 4 << 30, nodes: int | None = None, num_warps: int | None = None
+                   ) -> torch.Tensor:
     """tiles: float32 (T, 256) -> int64 states (T, 256); same algorithm as viterbi.viterbi_torch.
 
-    Tiles run in waves whose backpointers fit in `scratch_bytes` (256 bytes per node per tile).
-    `block` is the number of candidate states per chunk (a power of two). With `table` the codebook is
-    read from a 256 KB fp32 table instead of evaluated in registers. Unset settings come from TUNED."""
+    Programs take `nodes` nodes per chunk (a power of two; at least 2^K times the threads avoids a shuffle
+    through shared memory); tiles run in waves whose backpointers fit in `scratch_bytes` (256 bytes per
+    node per tile). Unset settings come from TUNED."""
     if not float(K).is_integer() or not 1 <= K <= 8:
         raise ValueError(f"the Triton Viterbi handles integer K 1..8, not {K}")
     if tiles.dtype != torch.float32 or tiles.dim() != 2 or tiles.shape[1] != 256:
@@ -101,17 +111,16 @@ def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128
         raise ValueError(f"warmup must be in 1..128, not {warmup}")
     K = int(K)
     tuned = TUNED.get(K, DEFAULT)
-    block, num_warps, table = (tuned[i] if v is None else v for i, v in enumerate((block, num_warps, table)))
-    nodes = 1 << (16 - K)
+    nodes, num_warps = (tuned[i] if v is None else v for i, v in enumerate((nodes, num_warps)))
+    all_nodes = 1 << (16 - K)
+    eb = min(max(1 << K, 4, nodes), all_nodes)  # a chunk holds whole rows of 2^K nodes
     tiles = tiles.contiguous()
     states = torch.empty(tiles.shape, dtype=torch.int32, device=tiles.device)
-    values = codebook_table(codebook, tiles.device).float()
-    wave = max(1, scratch_bytes // (256 * nodes + 8 * nodes))
-    eb = max(16, min(block, 1 << 16) >> K)
+    wave = max(1, scratch_bytes // ((256 + 8) * all_nodes))
     for a in range(0, tiles.shape[0], wave):
         b = min(a + wave, tiles.shape[0])
-        cost = torch.empty((b - a, 2, nodes), dtype=torch.float32, device=tiles.device)
-        bp = torch.empty((b - a, 256, nodes), dtype=torch.uint8, device=tiles.device)
-        _viterbi_kernel[(b - a,)](tiles[a:b], states[a:b], cost, bp, values, K=K, CB=CODEBOOKS.index(codebook),
-                                  WARMUP=warmup, EB=eb, TABLE=table, num_warps=num_warps)
+        cost = torch.empty((b - a, 2, all_nodes), dtype=torch.float32, device=tiles.device)
+        bp = torch.empty((b - a, 256, all_nodes), dtype=torch.uint8, device=tiles.device)
+        _viterbi_kernel[(b - a,)](tiles[a:b], states[a:b], cost, bp, K=K, CB=CODEBOOKS.index(codebook),
+                                  WARMUP=warmup, EB=eb, num_warps=num_warps)
     return states.to(torch.int64)
