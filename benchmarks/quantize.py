@@ -83,7 +83,8 @@ def scaling(tmp: Path, layers: int, experts: int, device_sets: list[list[str]], 
         dst = tmp / f"dst-{len(devices)}"
         t0 = time.perf_counter()
         report = convert(src, dst, ConvertOptions(bits=2, codebook="mcg", encoder="viterbi"), devices)
-        rows.append({"devices": devices, "tensors": report["experts"], "seconds": time.perf_counter() - t0})
+        rows.append({"devices": devices, "tensors": report["experts"], "seconds": time.perf_counter() - t0,
+                     "worker_seconds": report["seconds_this_run_quantizing"]})
         shutil.rmtree(dst)
     return rows
 
@@ -134,10 +135,12 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             report["scaling"] = scaling(Path(tmp), *args.scaling, [gpus[:1]] + ([gpus] if len(gpus) > 1 else []))
         base = report["scaling"][0]["seconds"]
-        print(f"{'xmoe quantize, K=2 mcg':<24} {'tensors':>8} {'wall':>8} {'s/tensor':>9} {'speedup':>8}")
+        print(f"{'xmoe quantize, K=2 mcg':<24} {'tensors':>8} {'wall':>8} {'wall/tensor':>12} {'speedup':>8} "
+              f"{'worker s/tensor':>16}")
         for r in report["scaling"]:
             print(f"{len(r['devices'])} GPU{'s' if len(r['devices']) > 1 else '':<20} {r['tensors']:>8} "
-                  f"{r['seconds']:>7.1f}s {r['seconds'] / r['tensors']:>9.3f} {base / r['seconds']:>7.2f}x")
+                  f"{r['seconds']:>7.1f}s {r['seconds'] / r['tensors']:>11.3f}s {base / r['seconds']:>7.2f}x "
+                  f"{r['worker_seconds'] / r['tensors']:>15.3f}s")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

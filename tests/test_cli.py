@@ -43,3 +43,16 @@ def test_import_direction():
                 else:
                     continue
                 assert target in allowed | {stage}, f"{path.relative_to(ROOT)} imports xmoe.{target}"
+
+
+def test_quantize_defaults_to_a_worker_per_core_without_gpus(monkeypatch):
+    import os
+
+    import torch
+
+    from xmoe.cli import default_devices
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert default_devices() == ["cpu", "cpu", "cpu"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert default_devices() == ["cuda:0", "cuda:1"]

@@ -2,6 +2,7 @@
 import argparse
 import json
 import logging
+import os
 import sys
 
 from . import __version__
@@ -37,14 +38,18 @@ def _bits_rule(text: str) -> tuple[str, float]:
     return pattern, float(k)
 
 
-def _quantize(args) -> int:
+def default_devices() -> list[str]:
+    """Every GPU; without one, a single-threaded worker per core (one multi-threaded worker stalls on a
+    busy machine)."""
     import torch
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"] * (os.cpu_count() or 1)
 
+
+def _quantize(args) -> int:
     from .quant.convert import convert
     from .quant.plan import ConvertOptions
 
-    devices = args.devices.split(",") if args.devices else (
-        [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"])
+    devices = args.devices.split(",") if args.devices else default_devices()
     encoder = args.encoder or ("viterbi" if any(d.startswith("cuda") for d in devices) else "beam")
     opts = ConvertOptions(bits=args.bits, codebook=args.codebook, encoder=encoder, bits_for=tuple(args.bits_for),
                           keep=tuple(args.keep), experts_regex=args.experts_regex, beam_width=args.beam_width,
@@ -92,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--bits", type=float, default=2, help="K, bits per weight of routed experts (default 2)")
     q.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1"])
     q.add_argument("--encoder", choices=["viterbi", "beam"], help="default: viterbi on GPUs, beam on CPU")
-    q.add_argument("--devices", help="comma-separated, e.g. cuda:0,cuda:1 (default: every GPU, else cpu)")
+    q.add_argument("--devices", help="comma-separated, e.g. cuda:0,cuda:1 or cpu,cpu (default: every GPU, else one "
+                                     "cpu worker per core)")
     q.add_argument("--bits-for", type=_bits_rule, action="append", default=[], metavar="PATTERN=K",
                    help="K for expert modules whose key matches the regex PATTERN (first rule wins)")
     q.add_argument("--keep", action="append", default=[], metavar="PATTERN",
