@@ -33,9 +33,11 @@ def _rms(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(r > 0, r, torch.full_like(r, 0.1))
 
 
-def _nmse(tiles: torch.Tensor, g: float, encode) -> float:
-    values, _ = encode(tiles * g)
-    return float(((values / g - tiles) ** 2).sum() / (tiles ** 2).sum())
+def _nmse(tiles: torch.Tensor, gs: list[float], encode) -> list[float]:
+    """Relative error of the encoder on tiles * g for each g, in one call (tiles are encoded independently)."""
+    values, _ = encode(torch.cat([tiles * g for g in gs]))
+    energy = (tiles ** 2).sum()
+    return [float(((v / g - tiles) ** 2).sum() / energy) for v, g in zip(values.split(tiles.shape[0]), gs)]
 
 
 def search_scale(tiles: torch.Tensor, encode, search: ScaleSearch, gen: torch.Generator, g0: float = 1.0) -> float:
@@ -43,7 +45,7 @@ def search_scale(tiles: torch.Tensor, encode, search: ScaleSearch, gen: torch.Ge
     idx = torch.randperm(tiles.shape[0], generator=gen)[: search.sample_tiles].to(tiles.device)
     sample = tiles[idx]
     grid = [g0 * g for g in search.grid]
-    errs = [_nmse(sample, g, encode) for g in grid]
+    errs = _nmse(sample, grid, encode)
     i = min(range(len(errs)), key=errs.__getitem__)
     if 0 < i < len(errs) - 1:  # vertex of the parabola through the best point and its neighbours
         (x0, x1, x2), (y0, y1, y2) = grid[i - 1:i + 2], errs[i - 1:i + 2]
@@ -52,7 +54,7 @@ def search_scale(tiles: torch.Tensor, encode, search: ScaleSearch, gen: torch.Ge
         b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / den
         if a > 0:
             g = min(max(-b / (2 * a), x0), x2)
-            if _nmse(sample, g, encode) < errs[i]:
+            if _nmse(sample, [g], encode)[0] < errs[i]:
                 return g
     return grid[i]
 
