@@ -4,8 +4,8 @@ Costs are kept per node (the low 16 - K bits of a state, all its successor sees 
 the cost of node n is the min over the K high bits k of err(k|n, w_q) + the cost of node (k|n) >> K.
 Each thread holds runs of 2^LG consecutive nodes, which share that predecessor for every k: one load
 feeds them all and the min over k stays in registers, so a candidate costs its codebook value (evaluated,
-or read from a table), a squared error and a compare. Costs (fp32) ping-pong through a small per-tile scratch that stays in L2;
-backpointers are one byte per (step, node).
+or read from a table), a squared error and a compare. Costs (fp32) ping-pong through a small per-tile
+scratch that stays in L2; backpointers are one byte per (step, node).
 """
 import torch
 import triton
@@ -33,7 +33,8 @@ def _forward(tile, cost, bp, table, first_q, n_steps, bp_from, K: tl.constexpr, 
         src = cost + (i % 2) * NODES
         dst = cost + ((i + 1) % 2) * NODES
         for e0 in range(0, NODES, EB):
-            node = tl.multiple_of(e0, EB) + eo
+            first = tl.multiple_of(e0, EB)  # lets the loads and stores below be vectorized
+            node = first + eo
             best = tl.full([EB], float("inf"), tl.float32)
             arg = tl.zeros([EB], tl.int32)
             for k in range(1 << K):
@@ -44,7 +45,7 @@ def _forward(tile, cost, bp, table, first_q, n_steps, bp_from, K: tl.constexpr, 
                     v = codebook_fp16(s.to(tl.uint32), CB).to(tl.float32)
                 # nodes that differ only in their low K bits share the predecessor: one load per
                 # 2^LG of them, repeated in registers
-                prev = tl.load(src + k * ROWS + (tl.multiple_of(e0, EB) >> K) + row)
+                prev = tl.load(src + k * ROWS + (first >> K) + row)
                 for _ in tl.static_range(LG):
                     prev = tl.interleave(prev, prev)
                 c = (v - w) * (v - w) + prev
@@ -106,8 +107,8 @@ def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128
 
     Programs take `nodes` nodes per chunk (a power of two; four or more per thread keeps every load and
     store in the thread's own layout, no shuffle through shared memory); tiles run in waves whose
-    backpointers fit in `scratch_bytes` (256 bytes per node per tile). With `table` the codebook is read from a 256 KB fp32 table instead of evaluated in
-    registers. Unset settings come from TUNED."""
+    backpointers fit in `scratch_bytes` (256 bytes per node per tile). With `table` the codebook is read
+    from a 256 KB fp32 table instead of evaluated in registers. Unset settings come from TUNED."""
     if not float(K).is_integer() or not 1 <= K <= 8:
         raise ValueError(f"the Triton Viterbi handles integer K 1..8, not {K}")
     if tiles.dtype != torch.float32 or tiles.dim() != 2 or tiles.shape[1] != 256:
