@@ -23,20 +23,31 @@ ARGS = [("a0_ptr", "*fp16"), ("a1_ptr", "*fp16"), ("chunk_pos_ptr", "*i32"), ("c
         ("stride_te", "i32")]
 
 
+GEMV_ARGS = [("a0_ptr", "*fp16"), ("a1_ptr", "*fp16"), ("chunk_pos_ptr", "*i32"), ("chunk_len_ptr", "*i32"),
+             ("chunk_expert_ptr", "*i32"),
+             ("n_chunks_ptr", "*i32"), ("t0_ptr", "*i32"), ("t1_ptr", "*i32"), ("p0_ptr", "*fp32"),
+             ("p1_ptr", "*fp32"), ("P", "i32"), ("k", "i32"), ("n", "i32"), ("stride_te", "i32"), ("mask", "i32")]
+
+
 def variants():
-    """(name, BM, BN, BK, warps, stages, dual, tiled, swap): ops' tuned launches per regime and decoder, single
-    and dual (gate+up)."""
+    """(name, BM, BN, BK, warps, stages, dual, tiled, swap, gemv): ops' tuned launches per regime and decoder,
+    single and dual (gate+up)."""
     for (regime, tiled), (BM, BK, BN, warps, stages) in ops.TUNED.items():
         for dual in (False, True):
             name = f"{regime}{' dual' if dual else ''} {'tiled' if tiled else 'gather'}"
-            yield name, BM, BN, BK, warps, stages, dual, tiled, tiled and regime in ops.SWAP_AB
+            yield name, BM, BN, BK, warps, stages, dual, tiled, tiled and regime in ops.SWAP_AB, regime == "gemv"
 
 
-def compile_variant(arch, BM, BN, BK, warps, stages, dual, tiled, swap=False, K=2, CB=1):
-    consts = dict(W=8 * K, CB=CB, DUAL=dual, BM=BM, BN=BN, BK=BK, SPLIT=1, TILED=tiled, KLOG=K.bit_length() - 1,
-                  SWAP=swap)
-    sig = dict(ARGS, **{c: "constexpr" for c in consts})
-    src = triton.compiler.ASTSource(fn=triton_exl3.grouped_gemm, signature=sig, constexprs=consts)
+def compile_variant(arch, BM, BN, BK, warps, stages, dual, tiled, swap=False, gemv=False, K=2, CB=1):
+    if gemv:
+        consts = dict(W=8 * K, CB=CB, DUAL=dual, BM=BM, BN=BN, BK=BK, SPLIT=1, KLOG=K.bit_length() - 1, ASM=True)
+        fn, args = triton_exl3.grouped_gemv, GEMV_ARGS
+    else:
+        consts = dict(W=8 * K, CB=CB, DUAL=dual, BM=BM, BN=BN, BK=BK, SPLIT=1, TILED=tiled,
+                      KLOG=K.bit_length() - 1, SWAP=swap)
+        fn, args = triton_exl3.grouped_gemm, ARGS
+    sig = dict(args, **{c: "constexpr" for c in consts})
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
@@ -61,8 +72,8 @@ def main():
     p.add_argument("--arch", type=int, default=90)
     args = p.parse_args()
     print(f"grouped_gemm, K=2 MCG, sm_{args.arch}, Triton {triton.__version__}")
-    for name, BM, BN, BK, warps, stages, dual, tiled, swap in variants():
-        kernel = compile_variant(args.arch, BM, BN, BK, warps, stages, dual, tiled, swap)
+    for name, BM, BN, BK, warps, stages, dual, tiled, swap, gemv in variants():
+        kernel = compile_variant(args.arch, BM, BN, BK, warps, stages, dual, tiled, swap, gemv)
         cubin = kernel.asm["cubin"]
         usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
         ops = loop_ops(tool("cuobjdump", cubin, "-sass"))

@@ -53,9 +53,11 @@ def main():
     p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--no-stock", action="store_true")
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
+    p.add_argument("--gemv-rows", type=float, default=ops.GEMV_ROWS,
+                   help="rows up to which tiled launches take grouped_gemv (ops.GEMV_ROWS; 0: never)")
     p.add_argument("--json")
     args = p.parse_args()
-    ops.DECODER = args.decoder
+    ops.DECODER, ops.GEMV_ROWS = args.decoder, args.gemv_rows
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")

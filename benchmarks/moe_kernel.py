@@ -175,7 +175,7 @@ def sweep(experts, dev, tokens, grid, best_path=None):
         for *cfg, fill in itertools.product(grid["bm"], grid["bk"], grid["bn"], grid["warps"], grid["stages"],
                                             grid["fill"]):
             cfg, ops.FILL = tuple(cfg), fill
-            ops.TUNED.update({("decode", tiled): cfg, ("prefill", tiled): cfg})
+            ops.TUNED.update({key: cfg for key in ops.TUNED if key[1] == tiled})  # gemv takes BM = 1
             try:
                 t = time_graph(lambda: ops.fused_moe(x, ids, weights, experts, backend="triton"), reps=10)
             except Exception as e:
@@ -189,7 +189,7 @@ def sweep(experts, dev, tokens, grid, best_path=None):
     for T, (cfg, t) in best.items():
         print(f"best T={T}: {cfg} {t * 1e6:.1f} us")
     if best_path:
-        Path(best_path).write_text(json.dumps({ops.regime(T * TOPK / min(T * TOPK, E)): cfg  # as fused_moe plans
+        Path(best_path).write_text(json.dumps({ops.regime(T * TOPK / min(T * TOPK, E), tiled): cfg  # as planned
                                                for T, (cfg, t) in best.items()}))
 
 
@@ -221,13 +221,15 @@ def main():
                           ("stages", [1, 2, 3]), ("fill", [ops.FILL])):
         p.add_argument(f"--{name}", type=int, nargs="+", default=default, help=f"--sweep grid ({name})")
     p.add_argument("--best", help="--sweep: write the fastest setting per token count to this JSON file")
-    p.add_argument("--tuned", help="JSON {\"decode\": [BM, BK, BN, warps, stages], \"prefill\": [...]} to use")
+    p.add_argument("--tuned", help="JSON {\"gemv\": [BM, BK, BN, warps, stages], \"decode\": [...], \"prefill\": [...]} to use")
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
     p.add_argument("--swap", nargs="*", choices=("decode", "prefill"), default=sorted(ops.SWAP_AB),
                    help="regimes whose tiled launches multiply W^T a^T (ops.SWAP_AB)")
+    p.add_argument("--gemv-rows", type=float, default=ops.GEMV_ROWS,
+                   help="rows per chunk up to which tiled launches take grouped_gemv (ops.GEMV_ROWS; 0: never)")
     p.add_argument("--json")
     args = p.parse_args()
-    ops.DECODER, ops.SWAP_AB = args.decoder, set(args.swap)
+    ops.DECODER, ops.SWAP_AB, ops.GEMV_ROWS = args.decoder, set(args.swap), args.gemv_rows
     if args.tuned:
         for regime, cfg in json.loads(Path(args.tuned).read_text()).items():
             ops.TUNED[regime, args.decoder == "tiled"] = tuple(cfg)

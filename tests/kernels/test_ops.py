@@ -98,6 +98,22 @@ def test_tiled_swapped_operands_interpreter():
     run_interpreted("\n".join(["ops.SWAP_AB = {'decode', 'prefill'}", *calls]))
 
 
+def test_gemv_interpreter():
+    """grouped_gemv (one row per chunk, CUDA cores) on every case it can take, every power-of-two K."""
+    pytest.importorskip("triton")
+    linear = [(1, 128, 128, 2, "mcg", False), (3, 256, 256, 1, "mcg", True), (2, 256, 128, 4, "3inst", False),
+              (1, 200, 300, 8, "mul1", True)]
+    calls = [f"check_linear(*{c}, 'cpu')" for c in linear] + [f"check_moe(**{c}, device='cpu')" for c in SMALL_MOE]
+    run_interpreted("\n".join(["ops.GEMV_ROWS = float('inf')", *calls, "ops.TUNED['gemv', True] = (2, 32, 32, 4, 1)",
+                                *calls[-2:]]))
+
+
+def test_gemv_takes_single_rows_only():
+    assert ops.plan(36, 1152, 5120, 1.0, 132).gemv and ops.plan(36, 1152, 5120, 1.0, 132).BM == 1
+    assert not ops.plan(6, 1152, 5120, 6.0, 132).gemv
+    assert not ops.plan(36, 1152, 5120, 1.0, 132, K=3).gemv  # the gather decoder has no CUDA-core path
+
+
 def test_route_groups_slots_by_expert():
     ids = torch.tensor([[3, 1], [1, 0], [3, 1], [2, 3]])
     r = ops.route(ids, experts=4, BM=2)
@@ -152,10 +168,14 @@ GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
            dict(M=12, E=32, hidden=300, inter=200, top_k=4, K=2, codebook="mul1", skew=False, K_down=3)]
 
 
-@pytest.fixture(params=["gather", "tiled", "tiled-swap"])
+@pytest.fixture(params=["gather", "tiled", "tiled-swap", "tiled-gemv"])
 def decoder(request, monkeypatch):
+    """The default launches, and each path on every case: gather, tiled on tensor cores (plain or swapped
+    operands), tiled on CUDA cores (grouped_gemv, one row per chunk)."""
     monkeypatch.setattr(ops, "DECODER", request.param.split("-")[0])
-    monkeypatch.setattr(ops, "SWAP_AB", {"decode", "prefill"} if request.param.endswith("swap") else set())
+    if request.param != "tiled":
+        monkeypatch.setattr(ops, "SWAP_AB", {"decode", "prefill"} if request.param.endswith("swap") else set())
+        monkeypatch.setattr(ops, "GEMV_ROWS", float("inf") if request.param.endswith("gemv") else 0)
     return request.param
 
 

@@ -66,6 +66,7 @@ class Launch:
     stages: int = 2
     tiled: bool = False  # decode_tiles (K = 1, 2, 4, 8: each tile's words loaded once), else per-weight gathers
     swap: bool = False  # tiled only: W^T a^T, the decoded weights as the MMA's wide first operand
+    gemv: bool = False  # tiled only, BM of 1 or 2: grouped_gemv, products on CUDA cores, not tensor cores
 
 
 # (BM, BK, BN, warps, stages) per row regime and decoder, from timed sweeps on an H200 at DeepSeek-V4.1 shapes
@@ -75,27 +76,34 @@ DECODER = "tiled"
 # Regimes whose tiled launches multiply W^T a^T (on Hopper a wgmma with M = BN; see Launch.swap): faster by
 # 5-15% at 6-48 tokens on the H200, slower for prefill.
 SWAP_AB = {"decode"}
+# Rows per chunk up to which tiled launches take grouped_gemv: BM of one or two rows per chunk, so a weight
+# shared by more rows is decoded again, but no decoded weight passes through shared memory on its way to an MMA.
+GEMV_ROWS = 1.5
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
-         ("decode", True): (16, 64, 64, 4, 2), ("prefill", True): (64, 64, 128, 4, 1)}
+         ("gemv", True): (1, 64, 64, 2, 1), ("decode", True): (16, 64, 64, 4, 2), ("prefill", True): (64, 64, 128, 4, 1)}
 
 
 FILL = 4  # programs per multiprocessor that the K split aims for
 
 
-def regime(rows_per_chunk: float) -> str:
-    """The row regime, the key of TUNED and SWAP_AB: "decode" for a few rows per weight, else "prefill"."""
+def regime(rows_per_chunk: float, tiled: bool = True) -> str:
+    """The row regime, the key of TUNED and SWAP_AB: "gemv" (tiled decoder only) for about one row per weight,
+    "decode" for a few, else "prefill"."""
+    if tiled and rows_per_chunk <= GEMV_ROWS:
+        return "gemv"
     return "decode" if rows_per_chunk <= 16 else "prefill"
 
 
-def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float = 2) -> Launch:
-    """Tile sizes by regime; enough K splits to give each multiprocessor about FILL programs."""
-    mode = regime(rows_per_chunk)
+def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float = 2, gemv: bool = True) -> Launch:
+    """Tile sizes by regime (gemv=False: never grouped_gemv); enough K splits to give each multiprocessor about
+    FILL programs."""
     tiled = DECODER == "tiled" and K in (1, 2, 4, 8)
+    mode = regime(rows_per_chunk, tiled and gemv)
     BM, BK, BN, warps, stages = TUNED[mode, tiled]
     BN = min(BN, n)
     programs = max(chunks, 1) * (n // BN)
     split = max(1, min(k // BK, -(-FILL * sms // programs)))
-    return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and mode in SWAP_AB)
+    return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and mode in SWAP_AB, mode == "gemv")
 
 
 @lru_cache(maxsize=None)
@@ -113,6 +121,7 @@ def _sms(device: torch.device) -> int:
 
 
 CODEBOOK_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
+MASK_8FFF = 0x8FFF8FFF - (1 << 32)  # the codebooks' mask as an int32 argument of grouped_gemv
 
 
 def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int):
@@ -128,14 +137,22 @@ def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int):
 
 
 def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, launch: Launch):
-    """Launch grouped_gemm over `chunks` = (pos, len, expert, count, bound) into partials p0 (and p1)."""
-    from .triton_exl3 import grouped_gemm
+    """Launch grouped_gemm (or grouped_gemv) over `chunks` = (pos, len, expert, count, bound) into partials p0
+    (and p1)."""
+    from .triton_exl3 import grouped_gemm, grouped_gemv
     pos, length, expert, count, bound = chunks
     words = w.trellis.view(torch.int32)
     stride_te = words[0].numel() if w.experts else 0
     other = (second if second is not None else w).trellis.view(torch.int32)
     grid = (bound, w.n // launch.BN, launch.split)
     tiled = launch.tiled and w.K in (1, 2, 4, 8)
+    if tiled and launch.gemv:
+        grouped_gemv[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0,
+                           p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], CB=CODEBOOK_ID[w.codebook],
+                           DUAL=second is not None, BM=launch.BM, BN=launch.BN, BK=launch.BK, SPLIT=launch.split,
+                           KLOG=int(w.K).bit_length() - 1, ASM=a0.device.type == "cuda",
+                           num_warps=launch.warps, num_stages=launch.stages)
+        return
     grouped_gemm[grid](a0, a1, pos, length, expert, count, words, other, _windows(w.K, str(a0.device)),
                        p0, p1 if p1 is not None else p0, p0.shape[1], w.k, w.n, stride_te,
                        W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], DUAL=second is not None,
@@ -237,9 +254,12 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     P, E, dev = M * top_k, experts.count, x.device
     g, d = experts.gate, experts.down
     sms = _sms(dev)
-    unique = min(P, E)
+    unique = max(1, round(E * (1 - (1 - 1 / E) ** P)))  # distinct experts to expect under uniform routing
     up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K)
     down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K)
+    if up_launch.gemv != down_launch.gemv:  # mixed K: one chunking serves both GEMMs, so tensor cores for both
+        up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K, gemv=False)
+        down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, gemv=False)
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map)
     a = _padded_rows(x, g.k)

@@ -71,18 +71,58 @@ def spread_words(words, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def tile_offsets(pid_n, n, W: tl.constexpr, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """For the tiled decoder: the (BK/16, BN/16, W) word offsets of a block, relative to its first k-tile row,
+    the offsets of the words their states continue into, and each (BK, BN) weight's shift."""
+    tk = tl.arange(0, BK // 16)[:, None, None]
+    tn = tl.arange(0, BN // 16)[None, :, None]
+    word = tl.arange(0, W)[None, None, :]
+    tile = tk * ((n // 16) * W) + (pid_n * (BN // 16) + tn) * W
+    rr = tl.arange(0, BK)[:, None] % 16
+    cc = tl.arange(0, BN)[None, :] % 16
+    p = 32 * (cc & 7) + 8 * ((rr >> 1) & 3) + 4 * (cc >> 3) + 2 * (rr >> 3) + (rr & 1)
+    shift = (32 - (1 << KLOG) * ((p & ((1 << (5 - KLOG)) - 1)) + 1)).to(tl.uint32)
+    return tile + word, tile + (word + W - 1) % W, shift
+
+
+@triton.jit
 def load_words(base, lo_off, hi_off):
     """The (BK/16, BN/16, W) words of a block and, for each, the word its states continue into."""
     return tl.load(base + lo_off), tl.load(base + hi_off)
 
 
 @triton.jit
-def decode_tiles(lo, hi, shift, CB: tl.constexpr, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """decode_block for K = 1, 2, 4, 8 from the (BK/16, BN/16, W) words of a block, each loaded once."""
+def tile_states(lo, hi, shift, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """The (BK, BN) states of a block for K = 1, 2, 4, 8 from its (BK/16, BN/16, W) words, each loaded once."""
     lo = spread_words(lo, KLOG, BK, BN).to(tl.uint32, bitcast=True)
     hi = spread_words(hi, KLOG, BK, BN).to(tl.uint32, bitcast=True)
-    state = ((lo >> shift) | ((hi << 1) << (31 - shift))) & 0xFFFF
-    return codebook_fp16(state, CB)
+    return ((lo >> shift) | ((hi << 1) << (31 - shift))) & 0xFFFF
+
+
+@triton.jit
+def decode_tiles(lo, hi, shift, CB: tl.constexpr, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """decode_block for K = 1, 2, 4, 8 from the (BK/16, BN/16, W) words of a block, each loaded once."""
+    return codebook_fp16(tile_states(lo, hi, shift, KLOG, BK, BN), CB)
+
+
+@triton.jit
+def codebook_fp32(state, mask, CB: tl.constexpr, ASM: tl.constexpr):
+    """codebook_fp16's values in fp32, for CUDA-core products. `mask` is 0x8FFF8FFF passed as an argument, so
+    ptxas reads it from the constant bank rather than re-materialising it for every weight; ASM adds the two
+    fp16 halves of a register in one instruction and widens the sum (inline PTX: not under the interpreter)."""
+    if CB == 2:
+        return codebook_fp16(state, CB).to(tl.float32)
+    if CB == 0:
+        x = state * 89226354 + 64248484
+    else:
+        x = state * 0xCBAC1FED
+    x = (x & mask) ^ 0x3B603B60
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; mov.b32 {l, h}, $1; add.rn.f16 l, l, h; cvt.f32.f16 $0, l; }",
+            "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    return ((x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True) +
+            (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)).to(tl.float32)
 
 
 @triton.jit
@@ -163,15 +203,7 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
     c = tl.arange(0, BN)[None, :]
     n_tiles = n // 16
     if TILED:
-        tk = tl.arange(0, BK // 16)[:, None, None]
-        tn = tl.arange(0, BN // 16)[None, :, None]
-        word = tl.arange(0, W)[None, None, :]
-        tile = tk * (n_tiles * W) + (pid_n * (BN // 16) + tn) * W
-        lo_off = tile + word
-        hi_off = tile + (word + W - 1) % W
-        rr, cc = r % 16, c % 16
-        p = 32 * (cc & 7) + 8 * ((rr >> 1) & 3) + 4 * (cc >> 3) + 2 * (rr >> 3) + (rr & 1)
-        shift = (32 - (1 << KLOG) * ((p & ((1 << (5 - KLOG)) - 1)) + 1)).to(tl.uint32)
+        lo_off, hi_off, shift = tile_offsets(pid_n, n, W, KLOG, BK, BN)
     else:
         entry = tl.load(table_ptr + (r % 16) * 16 + c % 16)
         tile = (r // 16) * (n_tiles * W) + (pid_n * (BN // 16) + c // 16) * W
@@ -296,3 +328,56 @@ def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr,
         acc += y * w[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * n_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(rows < M)[:, None] & (cols < n_out)[None, :])
+
+
+@triton.jit
+def grouped_gemv(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, n_chunks_ptr, t0_ptr, t1_ptr,
+                 p0_ptr, p1_ptr, P, k, n, stride_te, mask, W: tl.constexpr, CB: tl.constexpr, DUAL: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, KLOG: tl.constexpr,
+                 ASM: tl.constexpr):
+    """grouped_gemm on CUDA cores, for chunks of a few rows (BM = 1 or 2: a token or two and their expert).
+    Each thread keeps fp32 products of its weights of the block with every row and sums them once at the end,
+    so decoded weights go from the codebook straight into FMAs, never through shared memory. The tiled
+    decoder only (K = 1, 2, 4, 8)."""
+    pid_c = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    if pid_c >= tl.load(n_chunks_ptr):
+        return
+    pos = (tl.load(chunk_pos_ptr + pid_c) + tl.arange(0, BM)).to(tl.int64)
+    live = tl.arange(0, BM) < tl.load(chunk_len_ptr + pid_c)
+    e = tl.load(chunk_expert_ptr + pid_c).to(tl.int64)
+    lo_off, hi_off, shift = tile_offsets(pid_n, n, W, KLOG, BK, BN)
+    steps = k // BK
+    per = tl.cdiv(steps, SPLIT)
+    first = pid_s * per
+    last = tl.minimum(steps, first + per)
+    acc0 = tl.zeros((BM, BK, BN), tl.float32)
+    acc1 = tl.zeros((BM, BK, BN), tl.float32)
+    w0_base = t0_ptr + e * stride_te
+    w1_base = t1_ptr + e * stride_te
+    stride_step = (BK // 16) * (n // 16) * W
+    a_off = pos[:, None] * k + tl.arange(0, BK)[None, :]
+    block = first * stride_step
+    lo0, hi0 = load_words(w0_base + block, lo_off, hi_off)
+    lo1, hi1 = lo0, hi0
+    if DUAL:
+        lo1, hi1 = load_words(w1_base + block, lo_off, hi_off)
+    for step in range(first, last):  # the next step's words are loaded before this step is decoded
+        block = tl.minimum(step + 1, last - 1) * stride_step
+        next_lo0, next_hi0 = load_words(w0_base + block, lo_off, hi_off)
+        next_lo1, next_hi1 = next_lo0, next_hi0
+        if DUAL:
+            next_lo1, next_hi1 = load_words(w1_base + block, lo_off, hi_off)
+        a = tl.load(a0_ptr + a_off + step * BK, mask=live[:, None], other=0.0).to(tl.float32)
+        w = codebook_fp32(tile_states(lo0, hi0, shift, KLOG, BK, BN), mask, CB, ASM)
+        acc0 += tl.reshape(w, (1, BK, BN)) * a[:, :, None]  # this reshape keeps the decoder's register layout
+        if DUAL:
+            a = tl.load(a1_ptr + a_off + step * BK, mask=live[:, None], other=0.0).to(tl.float32)
+            w = codebook_fp32(tile_states(lo1, hi1, shift, KLOG, BK, BN), mask, CB, ASM)
+            acc1 += tl.reshape(w, (1, BK, BN)) * a[:, :, None]
+        lo0, hi0, lo1, hi1 = next_lo0, next_hi0, next_lo1, next_hi1
+    out = (pid_s * P + pos)[:, None] * n + pid_n * BN + tl.arange(0, BN)[None, :]
+    tl.store(p0_ptr + out, tl.sum(acc0, axis=1), mask=live[:, None])
+    if DUAL:
+        tl.store(p1_ptr + out, tl.sum(acc1, axis=1), mask=live[:, None])
