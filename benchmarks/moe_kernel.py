@@ -230,6 +230,8 @@ def main():
     p.add_argument("--json")
     args = p.parse_args()
     ops.DECODER, ops.SWAP_AB, ops.GEMV_ROWS = args.decoder, set(args.swap), args.gemv_rows
+    if not args.sweep:
+        ops.FILL = args.fill[0]
     if args.tuned:
         for regime, cfg in json.loads(Path(args.tuned).read_text()).items():
             ops.TUNED[regime, args.decoder == "tiled"] = tuple(cfg)

@@ -211,3 +211,25 @@ def test_moe_cuda_graph_replay_equals_eager():
         ids.copy_(new_ids), weights.copy_(new_w), x.normal_()
         graph.replay()
         assert torch.equal(out, ops.fused_moe(x, ids, weights, experts, backend="triton"))
+
+
+def test_route_small_equals_route_interpreter():
+    """The one-launch routing of decode sizes gives route()'s sorted slots and chunks exactly."""
+    pytest.importorskip("triton")
+    run_interpreted("""
+for M, E, top_k, BM, skew, ep in ((1, 8, 2, 1, False, False), (6, 384, 6, 1, True, False), (7, 16, 8, 16, True, True),
+                                  (21, 64, 6, 2, False, True), (16, 8, 8, 16, True, False)):
+    ids, _ = routing(M, E, top_k, skew, seed=M, device='cpu')
+    emap = None
+    if ep:
+        emap = torch.full((E,), -1, dtype=torch.int32)
+        emap[E // 4:E // 4 + E // 2] = torch.arange(E // 2, dtype=torch.int32)
+    n = E // 2 if ep else E
+    a, b = ops.route(ids, n, BM, emap), ops.route(ids, n, BM, emap, backend='triton')
+    for f in ('rows', 'sorted_expert', 'slot_pos', 'slot_expert'):
+        assert torch.equal(getattr(a, f).int(), getattr(b, f).int()), (M, E, f)
+    count = int(a.chunks[3])
+    assert int(b.chunks[3]) == count and a.chunks[4] == b.chunks[4], (M, E)
+    for x, y in zip(a.chunks[:3], b.chunks[:3]):
+        assert torch.equal(x[:count].int(), y[:count].int()), (M, E)
+""")

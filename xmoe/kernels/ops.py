@@ -83,6 +83,7 @@ TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32,
          ("gemv", True): (1, 64, 64, 2, 1), ("decode", True): (16, 64, 64, 4, 2), ("prefill", True): (64, 64, 128, 4, 1)}
 
 
+ROUTE_SLOTS = 128  # route() takes one Triton launch (triton_route) up to this many slots: (slots)^2 comparisons
 FILL = 4  # programs per multiprocessor that the K split aims for
 
 
@@ -122,6 +123,7 @@ def _sms(device: torch.device) -> int:
 
 CODEBOOK_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
 MASK_8FFF = 0x8FFF8FFF - (1 << 32)  # the codebooks' mask as an int32 argument of grouped_gemv
+GEMV_ASM = True  # grouped_gemv sums each weight's fp16 halves with inline PTX on GPUs (False: plain Triton)
 
 
 def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int):
@@ -150,7 +152,7 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
         grouped_gemv[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0,
                            p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], CB=CODEBOOK_ID[w.codebook],
                            DUAL=second is not None, BM=launch.BM, BN=launch.BN, BK=launch.BK, SPLIT=launch.split,
-                           KLOG=int(w.K).bit_length() - 1, ASM=a0.device.type == "cuda",
+                           KLOG=int(w.K).bit_length() - 1, ASM=GEMV_ASM and a0.device.type == "cuda",
                            num_warps=launch.warps, num_stages=launch.stages)
         return
     grouped_gemm[grid](a0, a1, pos, length, expert, count, words, other, _windows(w.K, str(a0.device)),
@@ -212,8 +214,12 @@ class Routing:
     chunks: tuple
 
 
-def route(topk_ids: torch.Tensor, experts: int, BM: int, expert_map: torch.Tensor | None = None) -> Routing:
-    """Group slots by expert with device-side sort, scan and scatter: no host sync, so it graph-captures."""
+def route(topk_ids: torch.Tensor, experts: int, BM: int, expert_map: torch.Tensor | None = None,
+          backend: str = "torch") -> Routing:
+    """Group slots by expert with device-side sort, scan and scatter: no host sync, so it graph-captures.
+    backend "triton" takes one launch (triton_route) where the slots are few enough."""
+    if backend == "triton" and topk_ids.numel() <= ROUTE_SLOTS:
+        return _route_small(topk_ids, experts, BM, expert_map)
     top_k = topk_ids.shape[1]
     local = (topk_ids if expert_map is None else expert_map[topk_ids.long()]).reshape(-1).long()
     key = torch.where(local >= 0, local, experts)
@@ -234,6 +240,21 @@ def route(topk_ids: torch.Tensor, experts: int, BM: int, expert_map: torch.Tenso
     slot_pos = torch.empty_like(order).scatter_(0, order, pos)
     chunks = (table[0], table[1], table[2], leader.sum().int().reshape(1), bound)
     return Routing((order // top_k).int(), sorted_e.int(), slot_pos.int(), local.int(), chunks)
+
+
+def _route_small(topk_ids, experts, BM, expert_map) -> Routing:
+    import triton
+    from .triton_route import route_small
+    P, dev = topk_ids.numel(), topk_ids.device
+    bound = min(P, -(-P // BM) + experts)
+    out = torch.empty(4, P, dtype=torch.int32, device=dev)  # rows, sorted_expert, slot_pos, slot_expert
+    table = torch.empty(3, bound + 1, dtype=torch.int32, device=dev)
+    count = torch.empty(1, dtype=torch.int32, device=dev)
+    ids = topk_ids.contiguous()
+    route_small[(1,)](ids, expert_map if expert_map is not None else ids, out[0], out[1], out[2], out[3], table,
+                      count, P, experts, table.stride(0), TOPK=topk_ids.shape[1], BM=BM,
+                      PB=max(16, triton.next_power_of_2(P)), HAS_MAP=expert_map is not None, num_warps=8)
+    return Routing(out[0], out[1], out[2], out[3], (table[0], table[1], table[2], count, bound))
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Exl3Experts,
@@ -261,7 +282,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K, gemv=False)
         down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, gemv=False)
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
-    r = route(topk_ids, E, up_launch.BM, expert_map)
+    r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
     a = _padded_rows(x, g.k)
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
     pu = torch.empty_like(pg)

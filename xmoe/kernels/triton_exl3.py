@@ -378,6 +378,13 @@ def grouped_gemv(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
             acc1 += tl.reshape(w, (1, BK, BN)) * a[:, :, None]
         lo0, hi0, lo1, hi1 = next_lo0, next_hi0, next_lo1, next_hi1
     out = (pid_s * P + pos)[:, None] * n + pid_n * BN + tl.arange(0, BN)[None, :]
-    tl.store(p0_ptr + out, tl.sum(acc0, axis=1), mask=live[:, None])
+    tl.store(p0_ptr + out, sum_rows(acc0, BM, BK, BN), mask=live[:, None])
     if DUAL:
-        tl.store(p1_ptr + out, tl.sum(acc1, axis=1), mask=live[:, None])
+        tl.store(p1_ptr + out, sum_rows(acc1, BM, BK, BN), mask=live[:, None])
+
+
+@triton.jit
+def sum_rows(acc, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """(BM, BN) sums over the K axis of (BM, BK, BN), within each 16-row tile first. Summing the decoder's
+    layout in one step miscompiles under Triton 3.6 (wrong sums on an H200); this order is correct there."""
+    return tl.sum(tl.sum(tl.reshape(acc, (BM, BK // 16, 16, BN)), axis=2), axis=1)
