@@ -167,14 +167,14 @@ def sweep(experts, dev, tokens, grid, best_path=None):
     """Time fused_moe under each launch setting of `grid` (lists of BM, BK, BN, warps, stages; both GEMMs, both
     regimes; ops.plan still picks the K split). Writes the fastest setting per token count to best_path."""
     tiled = ops.DECODER == "tiled"
-    default, default_fill = dict(ops.TUNED), ops.FILL
+    default, default_fill = dict(ops.TUNED), dict(ops.FILL)
     best = {}
     for T in tokens:
         ids, weights = routing(T, E, TOPK, False, seed=T, device=dev)
         x = torch.randn(T, H, device=dev, dtype=torch.half)
         for *cfg, fill in itertools.product(grid["bm"], grid["bk"], grid["bn"], grid["warps"], grid["stages"],
-                                            grid["fill"]):
-            cfg, ops.FILL = tuple(cfg), fill
+                                            grid["fill"] or [None]):
+            cfg, ops.FILL = tuple(cfg), dict.fromkeys(ops.FILL, fill) if fill else dict(default_fill)
             ops.TUNED.update({key: cfg for key in ops.TUNED if key[1] == tiled})  # gemv takes BM = 1
             try:
                 t = time_graph(lambda: ops.fused_moe(x, ids, weights, experts, backend="triton"), reps=10)
@@ -218,7 +218,7 @@ def main():
     p.add_argument("--profile", action="store_true", help="per-kernel time of one call per token count")
     p.add_argument("--sweep", action="store_true", help="time launch settings of the gate/up and down GEMMs")
     for name, default in (("bm", [16]), ("bk", [16, 32, 64]), ("bn", [32, 64, 128]), ("warps", [4, 8]),
-                          ("stages", [1, 2, 3]), ("fill", [ops.FILL])):
+                          ("stages", [1, 2, 3]), ("fill", None)):
         p.add_argument(f"--{name}", type=int, nargs="+", default=default, help=f"--sweep grid ({name})")
     p.add_argument("--best", help="--sweep: write the fastest setting per token count to this JSON file")
     p.add_argument("--tuned", help="JSON {\"gemv\": [BM, BK, BN, warps, stages], \"decode\": [...], \"prefill\": [...]} to use")
@@ -230,8 +230,8 @@ def main():
     p.add_argument("--json")
     args = p.parse_args()
     ops.DECODER, ops.SWAP_AB, ops.GEMV_ROWS = args.decoder, set(args.swap), args.gemv_rows
-    if not args.sweep:
-        ops.FILL = args.fill[0]
+    if args.fill and not args.sweep:
+        ops.FILL = dict.fromkeys(ops.FILL, args.fill[0])
     if args.tuned:
         for regime, cfg in json.loads(Path(args.tuned).read_text()).items():
             ops.TUNED[regime, args.decoder == "tiled"] = tuple(cfg)

@@ -80,11 +80,13 @@ SWAP_AB = {"decode"}
 # shared by more rows is decoded again, but no decoded weight passes through shared memory on its way to an MMA.
 GEMV_ROWS = 1.5
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
-         ("gemv", True): (1, 64, 64, 2, 1), ("decode", True): (16, 64, 64, 4, 2), ("prefill", True): (64, 64, 128, 4, 1)}
+         ("gemv", True): (1, 32, 64, 2, 1), ("decode", True): (16, 64, 64, 4, 2), ("prefill", True): (64, 64, 128, 4, 1)}
 
 
 ROUTE_SLOTS = 128  # route() takes one Triton launch (triton_route) up to this many slots: (slots)^2 comparisons
-FILL = 4  # programs per multiprocessor that the K split aims for
+# Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
+# finer split evens out the last wave).
+FILL = {"gemv": 16, "decode": 4, "prefill": 4}
 
 
 def regime(rows_per_chunk: float, tiled: bool = True) -> str:
@@ -103,7 +105,7 @@ def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float 
     BM, BK, BN, warps, stages = TUNED[mode, tiled]
     BN = min(BN, n)
     programs = max(chunks, 1) * (n // BN)
-    split = max(1, min(k // BK, -(-FILL * sms // programs)))
+    split = max(1, min(k // BK, -(-FILL[mode] * sms // programs)))
     return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and mode in SWAP_AB, mode == "gemv")
 
 
