@@ -23,8 +23,7 @@ ARGS = [("a0_ptr", "*fp16"), ("a1_ptr", "*fp16"), ("chunk_pos_ptr", "*i32"), ("c
         ("stride_te", "i32")]
 
 
-GEMV_ARGS = [("a0_ptr", "*fp16"), ("a1_ptr", "*fp16"), ("chunk_pos_ptr", "*i32"), ("chunk_len_ptr", "*i32"),
-             ("chunk_expert_ptr", "*i32"),
+GEMV_ARGS = [("a0_ptr", "*fp16"), ("a1_ptr", "*fp16"), ("chunk_pos_ptr", "*i32"), ("chunk_expert_ptr", "*i32"),
              ("n_chunks_ptr", "*i32"), ("t0_ptr", "*i32"), ("t1_ptr", "*i32"), ("p0_ptr", "*fp32"),
              ("p1_ptr", "*fp32"), ("P", "i32"), ("k", "i32"), ("n", "i32"), ("stride_te", "i32"), ("mask", "i32")]
 
@@ -40,7 +39,8 @@ def variants():
 
 def compile_variant(arch, BM, BN, BK, warps, stages, dual, tiled, swap=False, gemv=False, K=2, CB=1):
     if gemv:
-        consts = dict(W=8 * K, CB=CB, DUAL=dual, BM=BM, BN=BN, BK=BK, SPLIT=1, KLOG=K.bit_length() - 1, ASM=True)
+        consts = dict(W=8 * K, CB=CB, DUAL=dual, BN=BN, BK=BK, SPLIT=1, KLOG=K.bit_length() - 1,
+                      ASM=True)
         fn, args = triton_exl3.grouped_gemv, GEMV_ARGS
     else:
         consts = dict(W=8 * K, CB=CB, DUAL=dual, BM=BM, BN=BN, BK=BK, SPLIT=1, TILED=tiled,

@@ -66,7 +66,7 @@ class Launch:
     stages: int = 2
     tiled: bool = False  # decode_tiles (K = 1, 2, 4, 8: each tile's words loaded once), else per-weight gathers
     swap: bool = False  # tiled only: W^T a^T, the decoded weights as the MMA's wide first operand
-    gemv: bool = False  # tiled only, BM of 1 or 2: grouped_gemv, products on CUDA cores, not tensor cores
+    gemv: bool = False  # tiled only, BM = 1: grouped_gemv, products on CUDA cores instead of tensor cores
 
 
 # (BM, BK, BN, warps, stages) per row regime and decoder, from timed sweeps on an H200 at DeepSeek-V4.1 shapes
@@ -76,8 +76,8 @@ DECODER = "tiled"
 # Regimes whose tiled launches multiply W^T a^T (on Hopper a wgmma with M = BN; see Launch.swap): faster by
 # 5-15% at 6-48 tokens on the H200, slower for prefill.
 SWAP_AB = {"decode"}
-# Rows per chunk up to which tiled launches take grouped_gemv: BM of one or two rows per chunk, so a weight
-# shared by more rows is decoded again, but no decoded weight passes through shared memory on its way to an MMA.
+# Rows per chunk up to which tiled launches take grouped_gemv: one row per chunk, so a weight shared by more
+# rows is decoded again for each, but no decoded weight passes through shared memory on its way to an MMA.
 GEMV_ROWS = 1.5
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
          ("gemv", True): (1, 32, 64, 2, 1), ("decode", True): (16, 64, 64, 4, 2), ("prefill", True): (64, 64, 128, 4, 1)}
@@ -103,6 +103,7 @@ def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float 
     tiled = DECODER == "tiled" and K in (1, 2, 4, 8)
     mode = regime(rows_per_chunk, tiled and gemv)
     BM, BK, BN, warps, stages = TUNED[mode, tiled]
+    BM = 1 if mode == "gemv" else BM  # grouped_gemv takes chunks of one row
     BN = min(BN, n)
     programs = max(chunks, 1) * (n // BN)
     split = max(1, min(k // BK, -(-FILL[mode] * sms // programs)))
@@ -151,9 +152,9 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
     grid = (bound, w.n // launch.BN, launch.split)
     tiled = launch.tiled and w.K in (1, 2, 4, 8)
     if tiled and launch.gemv:
-        grouped_gemv[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0,
-                           p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], CB=CODEBOOK_ID[w.codebook],
-                           DUAL=second is not None, BM=launch.BM, BN=launch.BN, BK=launch.BK, SPLIT=launch.split,
+        grouped_gemv[grid](a0, a1, pos, expert, count, words, other, p0, p1 if p1 is not None else p0, p0.shape[1],
+                           w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], CB=CODEBOOK_ID[w.codebook],
+                           DUAL=second is not None, BN=launch.BN, BK=launch.BK, SPLIT=launch.split,
                            KLOG=int(w.K).bit_length() - 1, ASM=GEMV_ASM and a0.device.type == "cuda",
                            num_warps=launch.warps, num_stages=launch.stages)
         return

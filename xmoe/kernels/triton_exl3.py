@@ -331,33 +331,31 @@ def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr,
 
 
 @triton.jit
-def grouped_gemv(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, n_chunks_ptr, t0_ptr, t1_ptr,
-                 p0_ptr, p1_ptr, P, k, n, stride_te, mask, W: tl.constexpr, CB: tl.constexpr, DUAL: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, KLOG: tl.constexpr,
-                 ASM: tl.constexpr):
-    """grouped_gemm on CUDA cores, for chunks of a few rows (BM = 1 or 2: a token or two and their expert).
-    Each thread keeps fp32 products of its weights of the block with every row and sums them once at the end,
-    so decoded weights go from the codebook straight into FMAs, never through shared memory. The tiled
-    decoder only (K = 1, 2, 4, 8)."""
+def grouped_gemv(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_expert_ptr, n_chunks_ptr, t0_ptr, t1_ptr, p0_ptr, p1_ptr,
+                 P, k, n, stride_te, mask, W: tl.constexpr, CB: tl.constexpr, DUAL: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, KLOG: tl.constexpr, ASM: tl.constexpr):
+    """grouped_gemm on CUDA cores for chunks of one row (a token and one of its experts): each thread keeps
+    fp32 products of its weights of the block with the row and sums the K axis once at the end, so decoded
+    weights go from the codebook straight into FMAs, never through shared memory. The tiled decoder only
+    (K = 1, 2, 4, 8)."""
     pid_c = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     if pid_c >= tl.load(n_chunks_ptr):
         return
-    pos = (tl.load(chunk_pos_ptr + pid_c) + tl.arange(0, BM)).to(tl.int64)
-    live = tl.arange(0, BM) < tl.load(chunk_len_ptr + pid_c)
+    pos = tl.load(chunk_pos_ptr + pid_c).to(tl.int64)
     e = tl.load(chunk_expert_ptr + pid_c).to(tl.int64)
     lo_off, hi_off, shift = tile_offsets(pid_n, n, W, KLOG, BK, BN)
     steps = k // BK
     per = tl.cdiv(steps, SPLIT)
     first = pid_s * per
     last = tl.minimum(steps, first + per)
-    acc0 = tl.zeros((BM, BK, BN), tl.float32)
-    acc1 = tl.zeros((BM, BK, BN), tl.float32)
+    acc0 = tl.zeros((BK, BN), tl.float32)
+    acc1 = tl.zeros((BK, BN), tl.float32)
     w0_base = t0_ptr + e * stride_te
     w1_base = t1_ptr + e * stride_te
     stride_step = (BK // 16) * (n // 16) * W
-    a_off = pos[:, None] * k + tl.arange(0, BK)[None, :]
+    a_off = pos * k + tl.arange(0, BK)
     block = first * stride_step
     lo0, hi0 = load_words(w0_base + block, lo_off, hi_off)
     lo1, hi1 = lo0, hi0
@@ -369,22 +367,20 @@ def grouped_gemv(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
         next_lo1, next_hi1 = next_lo0, next_hi0
         if DUAL:
             next_lo1, next_hi1 = load_words(w1_base + block, lo_off, hi_off)
-        a = tl.load(a0_ptr + a_off + step * BK, mask=live[:, None], other=0.0).to(tl.float32)
-        w = codebook_fp32(tile_states(lo0, hi0, shift, KLOG, BK, BN), mask, CB, ASM)
-        acc0 += tl.reshape(w, (1, BK, BN)) * a[:, :, None]  # this reshape keeps the decoder's register layout
+        a = tl.load(a0_ptr + a_off + step * BK).to(tl.float32)
+        acc0 += codebook_fp32(tile_states(lo0, hi0, shift, KLOG, BK, BN), mask, CB, ASM) * a[:, None]
         if DUAL:
-            a = tl.load(a1_ptr + a_off + step * BK, mask=live[:, None], other=0.0).to(tl.float32)
-            w = codebook_fp32(tile_states(lo1, hi1, shift, KLOG, BK, BN), mask, CB, ASM)
-            acc1 += tl.reshape(w, (1, BK, BN)) * a[:, :, None]
+            a = tl.load(a1_ptr + a_off + step * BK).to(tl.float32)
+            acc1 += codebook_fp32(tile_states(lo1, hi1, shift, KLOG, BK, BN), mask, CB, ASM) * a[:, None]
         lo0, hi0, lo1, hi1 = next_lo0, next_hi0, next_lo1, next_hi1
-    out = (pid_s * P + pos)[:, None] * n + pid_n * BN + tl.arange(0, BN)[None, :]
-    tl.store(p0_ptr + out, sum_rows(acc0, BM, BK, BN), mask=live[:, None])
+    out = (pid_s * P + pos) * n + pid_n * BN + tl.arange(0, BN)
+    tl.store(p0_ptr + out, sum_rows(acc0, BK, BN))
     if DUAL:
-        tl.store(p1_ptr + out, sum_rows(acc1, BM, BK, BN), mask=live[:, None])
+        tl.store(p1_ptr + out, sum_rows(acc1, BK, BN))
 
 
 @triton.jit
-def sum_rows(acc, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """(BM, BN) sums over the K axis of (BM, BK, BN), within each 16-row tile first. Summing the decoder's
-    layout in one step miscompiles under Triton 3.6 (wrong sums on an H200); this order is correct there."""
-    return tl.sum(tl.sum(tl.reshape(acc, (BM, BK // 16, 16, BN)), axis=2), axis=1)
+def sum_rows(acc, BK: tl.constexpr, BN: tl.constexpr):
+    """(BN,) sums over the K axis of (BK, BN), within each 16-row tile first. Summing the decoder's layout in
+    one step miscompiles under Triton 3.6 (wrong sums on an H200); this order is correct there."""
+    return tl.sum(tl.sum(tl.reshape(acc, (BK // 16, 16, BN)), axis=1), axis=0)
