@@ -14,7 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from xmoe.kernels import ops, triton_exl3  # noqa: E402
+from xmoe.kernels import ops, triton_exl3, triton_gemv  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ARGS = [("a0_ptr", "*fp16"), ("a1_ptr", "*fp16"), ("chunk_pos_ptr", "*i32"), ("chunk_len_ptr", "*i32"),
@@ -41,7 +41,7 @@ def compile_variant(arch, BM, BN, BK, warps, stages, dual, tiled, swap=False, ge
     if gemv:
         consts = dict(W=8 * K, CB=CB, DUAL=dual, BN=BN, BK=BK, SPLIT=1, KLOG=K.bit_length() - 1,
                       ASM=True)
-        fn, args = triton_exl3.grouped_gemv, GEMV_ARGS
+        fn, args = triton_gemv.grouped_gemv, GEMV_ARGS
     else:
         consts = dict(W=8 * K, CB=CB, DUAL=dual, BM=BM, BN=BN, BK=BK, SPLIT=1, TILED=tiled,
                       KLOG=K.bit_length() - 1, SWAP=swap)

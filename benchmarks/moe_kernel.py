@@ -9,6 +9,7 @@ with more rows than exl3_moe takes. Both are timed from CUDA graphs where they c
     python benchmarks/moe_kernel.py [--tokens 6 12 24 48 1542 4096] [--no-stock] [--layers 40] [--json F]
 """
 import argparse
+import copy
 import itertools
 import json
 import sys
@@ -43,6 +44,14 @@ class Stock:
         self.R = 128
         cc = ext.exl3_moe_max_concurrency(torch.cuda.current_device())
         self.temp = (h(cc, self.R, H), h(cc, self.R, H), h(cc, self.R, I), h(cc, self.R, I))
+
+    def over(self, experts):
+        """The same buffers over another set of experts."""
+        other = copy.copy(self)
+        other.experts, other.tables = experts, []
+        for w in (experts.gate, experts.up, experts.down):
+            other.tables += [ptrs(list(w.trellis), self.dev), ptrs(list(w.suh), self.dev), ptrs(list(w.svh), self.dev)]
+        return other
 
     def decode(self, x, sel, rw):
         self.ext.exl3_moe_coop(x, sel, rw, -1, -1, H, *self.tables, None, None, None, float(K), float(K), float(K),
@@ -134,9 +143,13 @@ def run_case(T, skew, experts, stock, bw, dense, dev):
     return result
 
 
-def stack_step(layers, experts, stock, dev, tokens=6):
-    """One decode step through `layers` MoE layers (router, routed experts, bf16 shared expert), graphed."""
+def stack_step(layers, experts, stock, dev, tokens=6, distinct=True):
+    """One decode step through `layers` MoE layers (router, routed experts, bf16 shared expert), graphed. Each
+    layer has its own experts as in a model (distinct=False: all share one set, which L2 partly caches)."""
     g = torch.Generator(device=dev).manual_seed(0)
+    sets = [experts] + [random_experts(E, H, I, K, "mcg", seed=3 * i, device=dev) if distinct else experts
+                        for i in range(1, layers)]
+    stocks = [stock.over(s) for s in sets] if stock is not None else None
     routers = [torch.randn(H, E, device=dev, dtype=torch.bfloat16, generator=g) / H ** 0.5 for _ in range(layers)]
     shared = [tuple(torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=g) / s[0] ** 0.5
                     for s in ((H, I), (H, I), (I, H))) for _ in range(layers)]
@@ -144,19 +157,20 @@ def stack_step(layers, experts, stock, dev, tokens=6):
 
     def step(moe):
         x = x0
-        for router, (sg, su, sd) in zip(routers, shared):
+        for layer, (router, (sg, su, sd)) in enumerate(zip(routers, shared)):
             w, ids = (x @ router).float().softmax(-1).topk(TOPK, dim=-1)
             w = w / w.sum(-1, keepdim=True)
-            routed = moe(x.half(), ids, w)
+            routed = moe(layer, x.half(), ids, w)
             x = x + routed.to(x.dtype) + (torch.nn.functional.silu(x @ sg) * (x @ su)) @ sd
         return x
 
-    out = {"layers": layers, "tokens": tokens}
-    out["ours_us"] = time_graph(lambda: step(lambda h, i, w: ops.fused_moe(h, i, w, experts, backend="triton")),
+    out = {"layers": layers, "tokens": tokens, "distinct_experts": distinct}
+    out["ours_us"] = time_graph(lambda: step(lambda l, h, i, w: ops.fused_moe(h, i, w, sets[l], backend="triton")),
                                 reps=20) * 1e6
     if stock is not None:
         try:
-            out["stock_us"] = time_graph(lambda: step(lambda h, i, w: stock.decode(h, i, w.half())), reps=20) * 1e6
+            out["stock_us"] = time_graph(lambda: step(lambda l, h, i, w: stocks[l].decode(h, i, w.half())),
+                                         reps=20) * 1e6
             out["ratio"] = out["ours_us"] / out["stock_us"]
         except Exception as e:
             out["stock_error"] = repr(e)[:200]
@@ -215,6 +229,7 @@ def main():
     p.add_argument("--tokens", type=int, nargs="+", default=[6, 12, 24, 48, 1542, 4096])
     p.add_argument("--no-stock", action="store_true")
     p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--shared-experts", action="store_true", help="every layer of the stack uses the same experts")
     p.add_argument("--profile", action="store_true", help="per-kernel time of one call per token count")
     p.add_argument("--sweep", action="store_true", help="time launch settings of the gate/up and down GEMMs")
     for name, default in (("bm", [16]), ("bk", [16, 32, 64]), ("bn", [32, 64, 128]), ("warps", [4, 8]),
@@ -227,8 +242,11 @@ def main():
                    help="regimes whose tiled launches multiply W^T a^T (ops.SWAP_AB)")
     p.add_argument("--gemv-rows", type=float, default=ops.GEMV_ROWS,
                    help="rows per chunk up to which tiled launches take grouped_gemv (ops.GEMV_ROWS; 0: never)")
+    p.add_argument("--hot-rows", type=int, default=ops.HOT_ROWS,
+                   help="prefill: rows from which an expert is decoded once and multiplied by torch (ops.HOT_ROWS)")
     p.add_argument("--json")
     args = p.parse_args()
+    ops.HOT_ROWS = args.hot_rows
     ops.DECODER, ops.SWAP_AB, ops.GEMV_ROWS = args.decoder, set(args.swap), args.gemv_rows
     if args.fill and not args.sweep:
         ops.FILL = dict.fromkeys(ops.FILL, args.fill[0])
@@ -271,9 +289,10 @@ def main():
                     print(f"  {key}: {r[key]}")
     dense = None
     torch.cuda.empty_cache()
-    step = stack_step(args.layers, experts, stock, dev) if args.layers else None
+    step = stack_step(args.layers, experts, stock, dev, distinct=not args.shared_experts) if args.layers else None
     if step:
-        print(f"\n{step['layers']}-layer MoE step, {step['tokens']} tokens, one CUDA graph: ours "
+        print(f"\n{step['layers']}-layer MoE step ({'distinct' if step['distinct_experts'] else 'shared'} experts per "
+              f"layer), {step['tokens']} tokens, one CUDA graph: ours "
               f"{step['ours_us']:.0f} us, stock {step.get('stock_us', 0):.0f} us, ours/stock "
               f"{step.get('ratio', 0):.2f} {step.get('stock_error', '')}")
     if args.json:

@@ -86,6 +86,35 @@ def tile_offsets(pid_n, n, W: tl.constexpr, KLOG: tl.constexpr, BK: tl.constexpr
 
 
 @triton.jit
+def gather_offsets(table_ptr, pid_n, n, W: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """For the gather decoder: each (BK, BN) weight's word offset relative to its block's first k-tile row, the
+    word its state continues into, and its shift, from the 256-entry table of its K (format.state_windows)."""
+    r = tl.arange(0, BK)[:, None]
+    c = tl.arange(0, BN)[None, :]
+    entry = tl.load(table_ptr + (r % 16) * 16 + c % 16)
+    tile = (r // 16) * ((n // 16) * W) + (pid_n * (BN // 16) + c // 16) * W
+    return tile + (entry & 0xFF), tile + ((entry >> 8) & 0xFF), (entry >> 16).to(tl.uint32)
+
+
+@triton.jit
+def dequant(t_ptr, table_ptr, out_ptr, n, W: tl.constexpr, CB: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+            TILED: tl.constexpr, KLOG: tl.constexpr):
+    """out (k, n) fp16 = the decoded (still rotated) weight of trellis words (k/16, n/16, W), per (BK, BN) block."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    base = t_ptr + pid_k * (BK // 16) * (n // 16) * W
+    if TILED:
+        lo_off, hi_off, shift = tile_offsets(pid_n, n, W, KLOG, BK, BN)
+        lo, hi = load_words(base, lo_off, hi_off)
+        w = decode_tiles(lo, hi, shift, CB, KLOG, BK, BN)
+    else:
+        lo_off, hi_off, shift = gather_offsets(table_ptr, pid_n, n, W, BK, BN)
+        w = decode_block(base, lo_off, hi_off, shift, CB)
+    rows = (pid_k * BK + tl.arange(0, BK)).to(tl.int64)
+    tl.store(out_ptr + rows[:, None] * n + pid_n * BN + tl.arange(0, BN)[None, :], w)
+
+
+@triton.jit
 def load_words(base, lo_off, hi_off):
     """The (BK/16, BN/16, W) words of a block and, for each, the word its states continue into."""
     return tl.load(base + lo_off), tl.load(base + hi_off)
@@ -103,26 +132,6 @@ def tile_states(lo, hi, shift, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.cons
 def decode_tiles(lo, hi, shift, CB: tl.constexpr, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     """decode_block for K = 1, 2, 4, 8 from the (BK/16, BN/16, W) words of a block, each loaded once."""
     return codebook_fp16(tile_states(lo, hi, shift, KLOG, BK, BN), CB)
-
-
-@triton.jit
-def codebook_fp32(state, mask, CB: tl.constexpr, ASM: tl.constexpr):
-    """codebook_fp16's values in fp32, for CUDA-core products. `mask` is 0x8FFF8FFF passed as an argument, so
-    ptxas reads it from the constant bank rather than re-materialising it for every weight; ASM adds the two
-    fp16 halves of a register in one instruction and widens the sum (inline PTX: not under the interpreter)."""
-    if CB == 2:
-        return codebook_fp16(state, CB).to(tl.float32)
-    if CB == 0:
-        x = state * 89226354 + 64248484
-    else:
-        x = state * 0xCBAC1FED
-    x = (x & mask) ^ 0x3B603B60
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 l, h; mov.b32 {l, h}, $1; add.rn.f16 l, l, h; cvt.f32.f16 $0, l; }",
-            "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
-    return ((x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True) +
-            (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)).to(tl.float32)
 
 
 @triton.jit
@@ -198,18 +207,12 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
     kr = tl.arange(0, BK)
     cols = pid_n * BN + tl.arange(0, BN)
 
-    # Word offsets, relative to the block's first k-tile row: per weight (gather), or per tile word (TILED).
-    r = kr[:, None]
-    c = tl.arange(0, BN)[None, :]
+    # Word offsets, relative to the block's first k-tile row: per tile word (TILED), or per weight (gather).
     n_tiles = n // 16
     if TILED:
         lo_off, hi_off, shift = tile_offsets(pid_n, n, W, KLOG, BK, BN)
     else:
-        entry = tl.load(table_ptr + (r % 16) * 16 + c % 16)
-        tile = (r // 16) * (n_tiles * W) + (pid_n * (BN // 16) + c // 16) * W
-        lo_off = tile + (entry & 0xFF)
-        hi_off = tile + ((entry >> 8) & 0xFF)
-        shift = (entry >> 16).to(tl.uint32)
+        lo_off, hi_off, shift = gather_offsets(table_ptr, pid_n, n, W, BK, BN)
 
     steps = k // BK
     per = tl.cdiv(steps, SPLIT)
@@ -328,59 +331,3 @@ def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr,
         acc += y * w[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * n_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(rows < M)[:, None] & (cols < n_out)[None, :])
-
-
-@triton.jit
-def grouped_gemv(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_expert_ptr, n_chunks_ptr, t0_ptr, t1_ptr, p0_ptr, p1_ptr,
-                 P, k, n, stride_te, mask, W: tl.constexpr, CB: tl.constexpr, DUAL: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, KLOG: tl.constexpr, ASM: tl.constexpr):
-    """grouped_gemm on CUDA cores for chunks of one row (a token and one of its experts): each thread keeps
-    fp32 products of its weights of the block with the row and sums the K axis once at the end, so decoded
-    weights go from the codebook straight into FMAs, never through shared memory. The tiled decoder only
-    (K = 1, 2, 4, 8)."""
-    pid_c = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    if pid_c >= tl.load(n_chunks_ptr):
-        return
-    pos = tl.load(chunk_pos_ptr + pid_c).to(tl.int64)
-    e = tl.load(chunk_expert_ptr + pid_c).to(tl.int64)
-    lo_off, hi_off, shift = tile_offsets(pid_n, n, W, KLOG, BK, BN)
-    steps = k // BK
-    per = tl.cdiv(steps, SPLIT)
-    first = pid_s * per
-    last = tl.minimum(steps, first + per)
-    acc0 = tl.zeros((BK, BN), tl.float32)
-    acc1 = tl.zeros((BK, BN), tl.float32)
-    w0_base = t0_ptr + e * stride_te
-    w1_base = t1_ptr + e * stride_te
-    stride_step = (BK // 16) * (n // 16) * W
-    a_off = pos * k + tl.arange(0, BK)
-    block = first * stride_step
-    lo0, hi0 = load_words(w0_base + block, lo_off, hi_off)
-    lo1, hi1 = lo0, hi0
-    if DUAL:
-        lo1, hi1 = load_words(w1_base + block, lo_off, hi_off)
-    for step in range(first, last):  # the next step's words are loaded before this step is decoded
-        block = tl.minimum(step + 1, last - 1) * stride_step
-        next_lo0, next_hi0 = load_words(w0_base + block, lo_off, hi_off)
-        next_lo1, next_hi1 = next_lo0, next_hi0
-        if DUAL:
-            next_lo1, next_hi1 = load_words(w1_base + block, lo_off, hi_off)
-        a = tl.load(a0_ptr + a_off + step * BK).to(tl.float32)
-        acc0 += codebook_fp32(tile_states(lo0, hi0, shift, KLOG, BK, BN), mask, CB, ASM) * a[:, None]
-        if DUAL:
-            a = tl.load(a1_ptr + a_off + step * BK).to(tl.float32)
-            acc1 += codebook_fp32(tile_states(lo1, hi1, shift, KLOG, BK, BN), mask, CB, ASM) * a[:, None]
-        lo0, hi0, lo1, hi1 = next_lo0, next_hi0, next_lo1, next_hi1
-    out = (pid_s * P + pos) * n + pid_n * BN + tl.arange(0, BN)
-    tl.store(p0_ptr + out, sum_rows(acc0, BK, BN))
-    if DUAL:
-        tl.store(p1_ptr + out, sum_rows(acc1, BK, BN))
-
-
-@triton.jit
-def sum_rows(acc, BK: tl.constexpr, BN: tl.constexpr):
-    """(BN,) sums over the K axis of (BK, BN), within each 16-row tile first. Summing the decoder's layout in
-    one step miscompiles under Triton 3.6 (wrong sums on an H200); this order is correct there."""
-    return tl.sum(tl.sum(tl.reshape(acc, (BK // 16, 16, BN)), axis=1), axis=0)
