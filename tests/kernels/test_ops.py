@@ -115,7 +115,8 @@ def test_hot_experts_interpreter():
     cases = [dict(M=33, E=8, hidden=128, inter=128, top_k=2, K=2, codebook="mcg", skew=True),
              dict(M=40, E=8, hidden=200, inter=160, top_k=3, K=3, codebook="mul1", skew=True, K_down=2),
              dict(M=24, E=8, hidden=128, inter=128, top_k=2, K=4, codebook="3inst", skew=True, ep=True)]
-    run_interpreted("\n".join(["ops.HOT_ROWS = 8", *(f"check_moe(**{c}, device='cpu')" for c in cases)]))
+    run_interpreted("\n".join(["ops.HOT_ROWS = 8", *(f"check_moe(**{c}, device='cpu')" for c in cases),
+                                "ops.HOT_BATCH = 1", f"check_moe(**{cases[0]}, device='cpu')"]))
 
 
 def test_gemv_takes_single_rows_only():

@@ -84,6 +84,7 @@ TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32,
 
 
 HOT_ROWS = 256  # prefill: experts with this many rows are decoded once and multiplied by torch (_hot_experts)
+HOT_BATCH = 32  # hot experts decoded per launch (32 * 12 MB of fp16 per V4.1 expert matrix)
 ROUTE_SLOTS = 128  # route() takes one Triton launch (triton_route) up to this many slots: (slots)^2 comparisons
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
 # finer split evens out the last wave).
@@ -287,20 +288,28 @@ def _hot_experts(r: Routing, E: int, tokens: int, dev: torch.device):
 
 
 def _dense_rows(a: torch.Tensor, w: Exl3Weight, hot: list, p: torch.Tensor) -> None:
-    """Partials p[:, rows] of the hot experts' rows: their product with the decoded weight in split 0, 0 in the
-    other splits."""
+    """Partials p[:, rows] of the hot experts' rows: in split 0 their product with the decoded weight (HOT_BATCH
+    experts per launch and batched matmul, rows padded to the group's most), 0 in the other splits."""
     from .triton_exl3 import dequant
-    if not hot:
-        return
-    dense = torch.empty(w.k, w.n, device=a.device, dtype=torch.float16)
     tiled = DECODER == "tiled" and w.K in (1, 2, 4, 8)
-    for e, start, rows in hot:
-        words = w.trellis[e].view(torch.int32)
-        dequant[(w.k // 64, w.n // 64)](words, _windows(w.K, str(a.device)), dense, w.n, W=words.shape[-1],
-                                        CB=CODEBOOK_ID[w.codebook], BK=64, BN=64, TILED=tiled,
-                                        KLOG=int(w.K).bit_length() - 1 if tiled else 1)
-        p[1:, start:start + rows] = 0
-        p[0, start:start + rows] = (a[start:start + rows] @ dense).float()
+    words = w.trellis.view(torch.int32)
+    dev = a.device
+    for i in range(0, len(hot), HOT_BATCH):
+        group = hot[i:i + HOT_BATCH]
+        ids = torch.tensor([e for e, _, _ in group], dtype=torch.int32, device=dev)
+        dense = torch.empty(len(group), w.k, w.n, device=dev, dtype=torch.float16)
+        dequant[(len(group), w.k // 64, w.n // 64)](words, ids, _windows(w.K, str(dev)), dense, w.k, w.n,
+                                                    words[0].numel(), W=words.shape[-1], CB=CODEBOOK_ID[w.codebook],
+                                                    BK=64, BN=64, TILED=tiled,
+                                                    KLOG=int(w.K).bit_length() - 1 if tiled else 1)
+        start = torch.tensor([s for _, s, _ in group], device=dev)
+        rows = torch.tensor([r for _, _, r in group], device=dev)
+        offset = torch.arange(max(r for _, _, r in group), device=dev)
+        valid = offset[None, :] < rows[:, None]
+        pos = start[:, None] + torch.where(valid, offset[None, :], 0)
+        y = torch.bmm(a[pos], dense)
+        p[:, pos[valid]] = 0
+        p[0, pos[valid]] = y[valid].float()
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Exl3Experts,
