@@ -4,9 +4,9 @@ DeepSeek-V4.1's per-rank shapes (TP2: 384 experts, hidden 5120, intermediate 115
 Stock is driven the way its BlockSparseMLP drives it: the cooperative decode kernels (exl3_moe_coop) up to
 8 tokens, the fused exl3_moe kernel beyond (argsort and bincount included; its host-side count of active
 experts is done outside the timing, which favours stock), and a reconstruct + matmul loop for experts
-with more rows than exl3_moe takes. Both are timed from CUDA graphs where they capture, L2 flushed; ours
-eagerly from ops.HOT_ROWS tokens, where its prefill path syncs with the host as stock's does. The 40-layer
-stack gives every layer its own experts, as a model has.
+with more rows than exl3_moe takes. Both are timed from CUDA graphs where they capture (ours eagerly from
+EAGER_TOKENS, launch overheads included), L2 flushed. The 40-layer stack gives every layer its own experts,
+as a model has.
 
     python benchmarks/moe_kernel.py [--tokens 6 12 24 48 1542 4096] [--no-stock] [--layers 40] [--json F]
 """
@@ -27,6 +27,7 @@ from common import copy_bandwidth, ptrs, row, time_eager, time_graph  # noqa: E4
 from xmoe.kernels import ops  # noqa: E402
 
 E, H, I, TOPK, K = 384, 5120, 1152, 6, 2
+EAGER_TOKENS = 512  # from here ours is timed eagerly, as vLLM runs batches beyond its CUDA-graph sizes
 
 
 class Stock:
@@ -109,8 +110,7 @@ def run_case(T, skew, experts, stock, bw, dense, dev):
     ids, weights = routing(T, E, TOPK, skew, seed=T, device=dev)
     x = torch.randn(T, H, device=dev, dtype=torch.half)
     ours_fn = lambda: ops.fused_moe(x, ids, weights, experts, backend="triton")  # noqa: E731
-    # Prefill runs eagerly, as in vLLM beyond its graph sizes, and so may take the hot-expert path (a host sync).
-    ours = time_graph(ours_fn) if T < ops.HOT_ROWS else time_eager(ours_fn)
+    ours = time_graph(ours_fn) if T < EAGER_TOKENS else time_eager(ours_fn)
     nbytes, unique = touched_bytes(experts, ids)
     result = dict(tokens=T, routing="skewed" if skew else "uniform", unique_experts=unique, mbytes=nbytes / 1e6,
                   ours_us=ours * 1e6, ours_gbs=nbytes / ours / 1e9, ours_pct_bw=100 * nbytes / ours / bw,
@@ -246,11 +246,8 @@ def main():
                    help="regimes whose tiled launches multiply W^T a^T (ops.SWAP_AB)")
     p.add_argument("--gemv-rows", type=float, default=ops.GEMV_ROWS,
                    help="rows per chunk up to which tiled launches take grouped_gemv (ops.GEMV_ROWS; 0: never)")
-    p.add_argument("--hot-rows", type=int, default=ops.HOT_ROWS,
-                   help="prefill: rows from which an expert is decoded once and multiplied by torch (ops.HOT_ROWS)")
     p.add_argument("--json")
     args = p.parse_args()
-    ops.HOT_ROWS = args.hot_rows
     ops.DECODER, ops.SWAP_AB, ops.GEMV_ROWS = args.decoder, set(args.swap), args.gemv_rows
     if args.fill and not args.sweep:
         ops.FILL = dict.fromkeys(ops.FILL, args.fill[0])

@@ -108,17 +108,6 @@ def test_gemv_interpreter():
                                 *calls[-2:]]))
 
 
-def test_hot_experts_interpreter():
-    """Prefill experts with many rows: decoded once (triton_exl3.dequant) and multiplied by torch, the other
-    experts' chunks by the grouped GEMM, every partial where the epilogues expect it."""
-    pytest.importorskip("triton")
-    cases = [dict(M=33, E=8, hidden=128, inter=128, top_k=2, K=2, codebook="mcg", skew=True),
-             dict(M=40, E=8, hidden=200, inter=160, top_k=3, K=3, codebook="mul1", skew=True, K_down=2),
-             dict(M=24, E=8, hidden=128, inter=128, top_k=2, K=4, codebook="3inst", skew=True, ep=True)]
-    run_interpreted("\n".join(["ops.HOT_ROWS = 8", *(f"check_moe(**{c}, device='cpu')" for c in cases),
-                                "ops.HOT_BATCH = 1", f"check_moe(**{cases[0]}, device='cpu')"]))
-
-
 def test_gemv_takes_single_rows_only():
     assert ops.plan(36, 1152, 5120, 1.0, 132).gemv and ops.plan(36, 1152, 5120, 1.0, 132).BM == 1
     assert not ops.plan(6, 1152, 5120, 6.0, 132).gemv
@@ -213,7 +202,7 @@ def test_moe_cuda_graph_replay_equals_eager():
     experts = random_experts(64, 1024, 512, 2, "mcg", device="cuda")
     ids, weights = routing(6, 64, 6, False, device="cuda")
     x = torch.randn(6, 1024, device="cuda", dtype=torch.float16)
-    eager = ops.fused_moe(x, ids, weights, experts, backend="triton")
+    ops.fused_moe(x, ids, weights, experts, backend="triton")  # compiles before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = ops.fused_moe(x, ids, weights, experts, backend="triton")

@@ -83,8 +83,6 @@ TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32,
          ("gemv", True): (1, 32, 64, 2, 1), ("decode", True): (16, 64, 64, 4, 2), ("prefill", True): (64, 64, 128, 4, 1)}
 
 
-HOT_ROWS = 256  # prefill: experts with this many rows are decoded once and multiplied by torch (_hot_experts)
-HOT_BATCH = 32  # hot experts decoded per launch (32 * 12 MB of fp16 per V4.1 expert matrix)
 ROUTE_SLOTS = 128  # route() takes one Triton launch (triton_route) up to this many slots: (slots)^2 comparisons
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
 # finer split evens out the last wave).
@@ -149,8 +147,6 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
     from .triton_exl3 import grouped_gemm
     from .triton_gemv import grouped_gemv
     pos, length, expert, count, bound = chunks
-    if bound == 0:
-        return
     words = w.trellis.view(torch.int32)
     stride_te = words[0].numel() if w.experts else 0
     other = (second if second is not None else w).trellis.view(torch.int32)
@@ -265,53 +261,6 @@ def _route_small(topk_ids, experts, BM, expert_map) -> Routing:
     return Routing(out[0], out[1], out[2], out[3], (table[0], table[1], table[2], count, bound))
 
 
-def _hot_experts(r: Routing, E: int, tokens: int, dev: torch.device):
-    """Prefill outside CUDA graphs: experts with at least HOT_ROWS rows get their weights decoded once to fp16
-    and multiplied by torch (as exllamav3 does), rather than re-decoded for every chunk of BM rows. Returns the
-    chunks left to the grouped GEMM and (expert, first sorted position, rows) of the hot experts. Costs a host
-    sync, so never at decode sizes (an expert has at most `tokens` rows) nor while a graph is captured."""
-    if tokens < HOT_ROWS or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return r.chunks, []
-    counts = torch.bincount(r.sorted_expert.long(), minlength=E + 1)
-    hot = (counts[:E] >= HOT_ROWS).nonzero().flatten()
-    if hot.numel() == 0:
-        return r.chunks, []
-    start = counts.cumsum(0) - counts
-    is_hot = torch.zeros(E + 1, dtype=torch.bool, device=dev)
-    is_hot[hot] = True
-    pos, length, expert, count, _ = r.chunks
-    n = int(count)
-    keep = ~is_hot[expert[:n].long()]
-    kept = [t[:n][keep] for t in (pos, length, expert)]
-    chunks = (*kept, torch.full((1,), len(kept[0]), dtype=torch.int32, device=dev), len(kept[0]))
-    return chunks, list(zip(hot.tolist(), start[hot].tolist(), counts[hot].tolist()))
-
-
-def _dense_rows(a: torch.Tensor, w: Exl3Weight, hot: list, p: torch.Tensor) -> None:
-    """Partials p[:, rows] of the hot experts' rows: in split 0 their product with the decoded weight (HOT_BATCH
-    experts per launch and batched matmul, rows padded to the group's most), 0 in the other splits."""
-    from .triton_exl3 import dequant
-    tiled = DECODER == "tiled" and w.K in (1, 2, 4, 8)
-    words = w.trellis.view(torch.int32)
-    dev = a.device
-    for i in range(0, len(hot), HOT_BATCH):
-        group = hot[i:i + HOT_BATCH]
-        ids = torch.tensor([e for e, _, _ in group], dtype=torch.int32, device=dev)
-        dense = torch.empty(len(group), w.k, w.n, device=dev, dtype=torch.float16)
-        dequant[(len(group), w.k // 64, w.n // 64)](words, ids, _windows(w.K, str(dev)), dense, w.k, w.n,
-                                                    words[0].numel(), W=words.shape[-1], CB=CODEBOOK_ID[w.codebook],
-                                                    BK=64, BN=64, TILED=tiled,
-                                                    KLOG=int(w.K).bit_length() - 1 if tiled else 1)
-        start = torch.tensor([s for _, s, _ in group], device=dev)
-        rows = torch.tensor([r for _, _, r in group], device=dev)
-        offset = torch.arange(max(r for _, _, r in group), device=dev)
-        valid = offset[None, :] < rows[:, None]
-        pos = start[:, None] + torch.where(valid, offset[None, :], 0)
-        y = torch.bmm(a[pos], dense)
-        p[:, pos[valid]] = 0
-        p[0, pos[valid]] = y[valid].float()
-
-
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Exl3Experts,
               limit: float | None = None, expert_map: torch.Tensor | None = None,
               backend: str = "auto") -> torch.Tensor:
@@ -338,21 +287,17 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, gemv=False)
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
-    chunks, hot = _hot_experts(r, E, M, dev)
     a = _padded_rows(x, g.k)
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
     pu = torch.empty_like(pg)
     a0, a1 = _rotate(a, r.rows, r.sorted_expert, g, experts.up, P)
-    _gemm(a0, a1, chunks, g, pg, pu, experts.up, up_launch)
-    _dense_rows(a0, g, hot, pg)
-    _dense_rows(a1, experts.up, hot, pu)
+    _gemm(a0, a1, r.chunks, g, pg, pu, experts.up, up_launch)
     mid = torch.empty(P, g.n, device=dev, dtype=torch.float16)
     act_epilogue[(-(-P // 16), g.n // 128)](pg, pu, r.sorted_expert, g.svh, experts.up.svh, d.suh, _had(str(dev)),
                                             mid, P, g.n, experts.intermediate, E, float(limit or 0.0),
                                             HAS_LIMIT=limit is not None, SPLIT=up_launch.split, BM=16)
     pd = torch.empty(down_launch.split, P, d.n, device=dev, dtype=torch.float32)
-    _gemm(mid, mid, chunks, d, pd, None, None, down_launch)
-    _dense_rows(mid, d, hot, pd)
+    _gemm(mid, mid, r.chunks, d, pd, None, None, down_launch)
     out = torch.empty(M, experts.hidden, device=dev, dtype=x.dtype)
     combine_epilogue[(-(-M // 16), d.n // 128)](pd, r.slot_pos, r.slot_expert, topk_weights.reshape(-1), d.svh,
                                                 _had(str(dev)), out, M, P, d.n, experts.hidden, TOPK=top_k,

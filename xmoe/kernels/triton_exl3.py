@@ -97,27 +97,6 @@ def gather_offsets(table_ptr, pid_n, n, W: tl.constexpr, BK: tl.constexpr, BN: t
 
 
 @triton.jit
-def dequant(t_ptr, expert_ptr, table_ptr, out_ptr, k, n, stride_te, W: tl.constexpr, CB: tl.constexpr,
-            BK: tl.constexpr, BN: tl.constexpr, TILED: tl.constexpr, KLOG: tl.constexpr):
-    """out[g] (k, n) fp16 = the decoded (still rotated) weight of expert expert[g], from trellis words
-    (E, k/16, n/16, W), one (BK, BN) block per program."""
-    g = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_n = tl.program_id(2)
-    e = tl.load(expert_ptr + g).to(tl.int64)
-    base = t_ptr + e * stride_te + pid_k * (BK // 16) * (n // 16) * W
-    if TILED:
-        lo_off, hi_off, shift = tile_offsets(pid_n, n, W, KLOG, BK, BN)
-        lo, hi = load_words(base, lo_off, hi_off)
-        w = decode_tiles(lo, hi, shift, CB, KLOG, BK, BN)
-    else:
-        lo_off, hi_off, shift = gather_offsets(table_ptr, pid_n, n, W, BK, BN)
-        w = decode_block(base, lo_off, hi_off, shift, CB)
-    rows = (pid_k * BK + tl.arange(0, BK)).to(tl.int64)
-    tl.store(out_ptr + g.to(tl.int64) * k * n + rows[:, None] * n + pid_n * BN + tl.arange(0, BN)[None, :], w)
-
-
-@triton.jit
 def load_words(base, lo_off, hi_off):
     """The (BK/16, BN/16, W) words of a block and, for each, the word its states continue into."""
     return tl.load(base + lo_off), tl.load(base + hi_off)
