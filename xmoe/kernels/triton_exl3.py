@@ -12,7 +12,8 @@ Two decoders. The tiled one (K = 1, 2, 4, 8, the default) loads each tile's word
 while the current one is decoded, and spreads them over the tile by reshape, permute and broadcast; then a
 funnel shift and the codebook arithmetic (format/codebook.py) give fp16 weights. The gather one (every K)
 loads two words per weight, at offsets and shifts from a 256-entry table per K (format.state_windows).
-At decode sizes the product can be taken as W^T a^T (SWAP), the decoded weights being the MMA's wide operand.
+At decode sizes the product can be taken as W^T a^T (SWAP), the decoded weights being the MMA's wide operand;
+at about one row per expert triton_gemv's CUDA-core kernel takes over.
 """
 import triton
 import triton.language as tl
