@@ -126,7 +126,6 @@ def _sms(device: torch.device) -> int:
 
 CODEBOOK_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
 MASK_8FFF = 0x8FFF8FFF - (1 << 32)  # the codebooks' mask as an int32 argument of grouped_gemv
-GEMV_ASM = True  # grouped_gemv sums each weight's fp16 halves with inline PTX on GPUs (False: plain Triton)
 
 
 def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int):
@@ -156,7 +155,7 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
         grouped_gemv[grid](a0, a1, pos, expert, count, words, other, p0, p1 if p1 is not None else p0, p0.shape[1],
                            w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], CB=CODEBOOK_ID[w.codebook],
                            DUAL=second is not None, BN=launch.BN, BK=launch.BK, SPLIT=launch.split,
-                           KLOG=int(w.K).bit_length() - 1, ASM=GEMV_ASM and a0.device.type == "cuda",
+                           KLOG=int(w.K).bit_length() - 1, ASM=a0.device.type == "cuda",
                            num_warps=launch.warps, num_stages=launch.stages)
         return
     grouped_gemm[grid](a0, a1, pos, length, expert, count, words, other, _windows(w.K, str(a0.device)),
