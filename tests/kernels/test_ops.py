@@ -233,3 +233,14 @@ for M, E, top_k, BM, skew, ep in ((1, 8, 2, 1, False, False), (6, 384, 6, 1, Tru
     for x, y in zip(a.chunks[:3], b.chunks[:3]):
         assert torch.equal(x[:count].int(), y[:count].int()), (M, E)
 """)
+
+
+def test_empty_batch_interpreter():
+    """A call with no tokens (a rank with nothing routed to it) returns an empty output, on every backend."""
+    pytest.importorskip("triton")
+    run_interpreted("""
+experts = random_experts(8, 128, 128, 2, 'mcg')
+x, ids, w = torch.zeros(0, 128, dtype=torch.float16), torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)
+for backend in ('triton', 'torch'):
+    assert ops.fused_moe(x, ids, w, experts, backend=backend).shape == (0, 128), backend
+""")
