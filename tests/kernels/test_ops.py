@@ -99,12 +99,13 @@ def test_tiled_swapped_operands_interpreter():
 
 
 def test_gemv_interpreter():
-    """grouped_gemv (one row per chunk, CUDA cores) on every case it can take, every power-of-two K."""
+    """grouped_gemv (one row per chunk, CUDA cores) on every case it can take, every power-of-two K, and at a
+    second block shape (BK 64, BN 32, 4 warps)."""
     pytest.importorskip("triton")
     linear = [(1, 128, 128, 2, "mcg", False), (3, 256, 256, 1, "mcg", True), (2, 256, 128, 4, "3inst", False),
               (1, 200, 300, 8, "mul1", True)]
     calls = [f"check_linear(*{c}, 'cpu')" for c in linear] + [f"check_moe(**{c}, device='cpu')" for c in SMALL_MOE]
-    run_interpreted("\n".join(["ops.GEMV_ROWS = float('inf')", *calls, "ops.TUNED['gemv', True] = (2, 32, 32, 4, 1)",
+    run_interpreted("\n".join(["ops.GEMV_ROWS = float('inf')", *calls, "ops.TUNED['gemv', True] = (1, 64, 32, 4, 1)",
                                 *calls[-2:]]))
 
 
