@@ -35,9 +35,7 @@ class Stock:
 
     def __init__(self, ext, experts, dev):
         self.ext, self.dev = ext, dev
-        self.tables = []
-        for w in (experts.gate, experts.up, experts.down):
-            self.tables += [ptrs(list(w.trellis), dev), ptrs(list(w.suh), dev), ptrs(list(w.svh), dev)]
+        self.tables = self._tables(experts)
         self.experts = experts
         S = 8 * TOPK
         h = lambda *s, dt=torch.half: torch.empty(s, dtype=dt, device=dev)  # noqa: E731
@@ -48,12 +46,15 @@ class Stock:
         cc = ext.exl3_moe_max_concurrency(torch.cuda.current_device())
         self.temp = (h(cc, self.R, H), h(cc, self.R, H), h(cc, self.R, I), h(cc, self.R, I))
 
+    def _tables(self, experts):
+        """Pointer tables of every expert's trellis, suh and svh, per projection."""
+        return [ptrs(list(t), self.dev) for w in (experts.gate, experts.up, experts.down)
+                for t in (w.trellis, w.suh, w.svh)]
+
     def over(self, experts):
         """The same buffers over another set of experts."""
         other = copy.copy(self)
-        other.experts, other.tables = experts, []
-        for w in (experts.gate, experts.up, experts.down):
-            other.tables += [ptrs(list(w.trellis), self.dev), ptrs(list(w.suh), self.dev), ptrs(list(w.svh), self.dev)]
+        other.experts, other.tables = experts, self._tables(experts)
         return other
 
     def decode(self, x, sel, rw):

@@ -20,19 +20,25 @@ import triton.language as tl
 
 
 @triton.jit
-def codebook_fp16(state, CB: tl.constexpr):
-    """fp16 weights of uint32 states 0..65535 (CB: 0 3inst, 1 mcg, 2 mul1), bit-exact with the format."""
+def codebook_halves(state, mask, CB: tl.constexpr):
+    """3INST (CB 0) and MCG (CB 1): uint32 pairs of fp16 halves whose sum is each state's weight; `mask` is
+    0x8FFF8FFF (a kernel argument where ptxas should read it from the constant bank)."""
     if CB == 0:
         x = state * 89226354 + 64248484
-    elif CB == 1:
-        x = state * 0xCBAC1FED
     else:
-        x = state * 0x83DCD12D
+        x = state * 0xCBAC1FED
+    return (x & mask) ^ 0x3B603B60
+
+
+@triton.jit
+def codebook_fp16(state, CB: tl.constexpr):
+    """fp16 weights of uint32 states 0..65535 (CB: 0 3inst, 1 mcg, 2 mul1), bit-exact with the format."""
     if CB == 2:
+        x = state * 0x83DCD12D
         b = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
         v = (b.to(tl.float32) * 0.00676727294921875 - 3.453125).to(tl.float16)
     else:
-        x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+        x = codebook_halves(state, 0x8FFF8FFF, CB)
         v = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True) + \
             (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
     return v

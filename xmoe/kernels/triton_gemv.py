@@ -3,7 +3,7 @@ codebook straight into FMAs instead of through shared memory to the tensor cores
 import triton
 import triton.language as tl
 
-from .triton_exl3 import codebook_fp16, load_words, tile_offsets, tile_states
+from .triton_exl3 import codebook_fp16, codebook_halves, load_words, tile_offsets, tile_states
 
 
 @triton.jit
@@ -13,11 +13,7 @@ def codebook_fp32(state, mask, CB: tl.constexpr, ASM: tl.constexpr):
     fp16 halves of a register in one instruction and widens the sum (inline PTX: not under the interpreter)."""
     if CB == 2:
         return codebook_fp16(state, CB).to(tl.float32)
-    if CB == 0:
-        x = state * 89226354 + 64248484
-    else:
-        x = state * 0xCBAC1FED
-    x = (x & mask) ^ 0x3B603B60
+    x = codebook_halves(state, mask, CB)
     if ASM:
         return tl.inline_asm_elementwise(
             "{ .reg .b16 l, h; mov.b32 {l, h}, $1; add.rn.f16 l, l, h; cvt.f32.f16 $0, l; }",
