@@ -149,8 +149,9 @@ def run_case(T, skew, experts, stock, bw, dense, dev):
 
 
 def stack_step(layers, experts, stock, dev, tokens=6, distinct=True):
-    """One decode step through `layers` MoE layers (router, routed experts, bf16 shared expert), graphed. Each
-    layer has its own experts as in a model (distinct=False: all share one set, which L2 partly caches)."""
+    """One decode step through `layers` MoE layers (RMS norm, router, routed experts, bf16 shared expert),
+    graphed. Each layer has its own experts as in a model (distinct=False: all share one set, which L2 partly
+    caches). Without the norm the residual grows until every token picks the same experts."""
     g = torch.Generator(device=dev).manual_seed(0)
     sets = [experts] + [random_experts(E, H, I, K, "mcg", seed=3 * i, device=dev) if distinct else experts
                         for i in range(1, layers)]
@@ -163,13 +164,18 @@ def stack_step(layers, experts, stock, dev, tokens=6, distinct=True):
     def step(moe):
         x = x0
         for layer, (router, (sg, su, sd)) in enumerate(zip(routers, shared)):
-            w, ids = (x @ router).float().softmax(-1).topk(TOPK, dim=-1)
+            h = torch.nn.functional.rms_norm(x, (H,))
+            w, ids = (h @ router).float().softmax(-1).topk(TOPK, dim=-1)
             w = w / w.sum(-1, keepdim=True)
-            routed = moe(layer, x.half(), ids, w)
-            x = x + routed.to(x.dtype) + (torch.nn.functional.silu(x @ sg) * (x @ su)) @ sd
+            routed = moe(layer, h.half(), ids, w)
+            x = x + routed.to(x.dtype) + (torch.nn.functional.silu(h @ sg) * (h @ su)) @ sd
         return x
 
     out = {"layers": layers, "tokens": tokens, "distinct_experts": distinct}
+    seen = []  # distinct experts each layer's tokens pick (eager pass): the stack's routing against the cases'
+    step(lambda l, h, i, w: seen.append(i.unique().numel()) or torch.zeros_like(h))
+    out["experts_per_layer"] = sum(seen) / len(seen)
+    out["other_us"] = time_graph(lambda: step(lambda l, h, i, w: h * w[:, :1].half()), reps=20) * 1e6  # no experts
     out["ours_us"] = time_graph(lambda: step(lambda l, h, i, w: ops.fused_moe(h, i, w, sets[l], backend="triton")),
                                 reps=20) * 1e6
     if stock is not None:
@@ -296,7 +302,8 @@ def main():
         print(f"\n{step['layers']}-layer MoE step ({'distinct' if step['distinct_experts'] else 'shared'} experts per "
               f"layer), {step['tokens']} tokens, one CUDA graph: ours "
               f"{step['ours_us']:.0f} us, stock {step.get('stock_us', 0):.0f} us, ours/stock "
-              f"{step.get('ratio', 0):.2f} {step.get('stock_error', '')}")
+              f"{step.get('ratio', 0):.2f} {step.get('stock_error', '')}\n  {step['experts_per_layer']:.1f} distinct "
+              f"experts per layer; router, shared expert and residual alone {step['other_us']:.0f} us")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), copy_gbs=bw / 1e9,
                                                    cases=results, stack=step), indent=1))

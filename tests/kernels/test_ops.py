@@ -99,18 +99,18 @@ def test_tiled_swapped_operands_interpreter():
 
 
 def test_gemv_interpreter():
-    """grouped_gemv (one row per chunk, CUDA cores) on every case it can take, every power-of-two K, and at a
-    second block shape (BK 64, BN 32, 4 warps)."""
+    """grouped_gemv (chunks of up to 2 rows, CUDA cores) on every case it can take, every power-of-two K, then
+    with chunks of 2 and of 1 row at a second block shape (BK 32, BN 32, 2 warps)."""
     pytest.importorskip("triton")
     linear = [(1, 128, 128, 2, "mcg", False), (3, 256, 256, 1, "mcg", True), (2, 256, 128, 4, "3inst", False),
               (1, 200, 300, 8, "mul1", True)]
     calls = [f"check_linear(*{c}, 'cpu')" for c in linear] + [f"check_moe(**{c}, device='cpu')" for c in SMALL_MOE]
-    run_interpreted("\n".join(["ops.GEMV_ROWS = float('inf')", *calls, "ops.TUNED['gemv', True] = (1, 64, 32, 4, 1)",
-                                *calls[-2:]]))
+    run_interpreted("\n".join(["ops.GEMV_ROWS = float('inf')", *calls, "ops.TUNED['gemv', True] = (2, 32, 32, 2, 1)",
+                                *calls[-2:], "ops.TUNED['gemv', True] = (1, 32, 32, 2, 1)", *calls[-2:]]))
 
 
-def test_gemv_takes_single_rows_only():
-    assert ops.plan(36, 1152, 5120, 1.0, 132).gemv and ops.plan(36, 1152, 5120, 1.0, 132).BM == 1
+def test_gemv_plan():
+    assert ops.plan(36, 1152, 5120, 1.0, 132).gemv and ops.plan(36, 1152, 5120, 1.0, 132).BM == 2
     assert not ops.plan(6, 1152, 5120, 6.0, 132).gemv
     assert not ops.plan(36, 1152, 5120, 1.0, 132, K=3).gemv  # the gather decoder has no CUDA-core path
 
@@ -172,7 +172,7 @@ GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
 @pytest.fixture(params=["gather", "tiled", "tiled-swap", "tiled-gemv"])
 def decoder(request, monkeypatch):
     """The default launches, and each path on every case: gather, tiled on tensor cores (plain or swapped
-    operands), tiled on CUDA cores (grouped_gemv, one row per chunk)."""
+    operands), tiled on CUDA cores (grouped_gemv, chunks of up to 2 rows)."""
     monkeypatch.setattr(ops, "DECODER", request.param.split("-")[0])
     if request.param != "tiled":
         monkeypatch.setattr(ops, "SWAP_AB", {"decode", "prefill"} if request.param.endswith("swap") else set())
@@ -218,7 +218,8 @@ def test_route_small_equals_route_interpreter():
     """The one-launch routing of decode sizes gives route()'s sorted slots and chunks exactly."""
     pytest.importorskip("triton")
     run_interpreted("""
-for M, E, top_k, BM, skew, ep in ((1, 8, 2, 1, False, False), (6, 384, 6, 1, True, False), (7, 16, 8, 16, True, True),
+for M, E, top_k, BM, skew, ep in ((1, 8, 2, 1, False, False), (6, 384, 6, 1, True, False), (12, 32, 6, 4, True, False),
+                                  (7, 16, 8, 16, True, True),
                                   (21, 64, 6, 2, False, True), (16, 8, 8, 16, True, False)):
     ids, _ = routing(M, E, top_k, skew, seed=M, device='cpu')
     emap = None

@@ -66,7 +66,7 @@ class Launch:
     stages: int = 2
     tiled: bool = False  # decode_tiles (K = 1, 2, 4, 8: each tile's words loaded once), else per-weight gathers
     swap: bool = False  # tiled only: W^T a^T, the decoded weights as the MMA's wide first operand
-    gemv: bool = False  # tiled only, BM = 1: grouped_gemv, products on CUDA cores instead of tensor cores
+    gemv: bool = False  # tiled only, BM 1 or 2: grouped_gemv, products on CUDA cores instead of tensor cores
 
 
 # (BM, BK, BN, warps, stages) per row regime and decoder, from timed sweeps on an H200 at DeepSeek-V4.1 shapes
@@ -76,11 +76,13 @@ DECODER = "tiled"
 # Regimes whose tiled launches multiply W^T a^T (on Hopper a wgmma with M = BN; see Launch.swap): faster by
 # 5-15% at 6-48 tokens on the H200, slower for prefill.
 SWAP_AB = {"decode"}
-# Rows per chunk up to which tiled launches take grouped_gemv: one row per chunk, so a weight shared by more
-# rows is decoded again for each, but no decoded weight passes through shared memory on its way to an MMA.
-GEMV_ROWS = 1.07  # on the H200 at V4.1 shapes: up to 8 tokens (grouped_gemv 1.2x stock there, tensor cores 0.8x)
+# Expected rows per chunk (uniform routing) up to which tiled launches take grouped_gemv: chunks of up to 2 rows
+# (its BM) on CUDA cores, so no decoded weight passes through shared memory on its way to an MMA, but an expert
+# with more rows is decoded again for every 2. On the H200 at V4.1 shapes: up to 12 tokens, where it is 1.4x
+# the tensor cores on uniform routing and 0.9x on skewed; from 24 tokens it loses 1.7x and more on skewed.
+GEMV_ROWS = 1.12
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
-         ("gemv", True): (1, 32, 64, 2, 1), ("decode", True): (16, 64, 64, 4, 2), ("prefill", True): (64, 64, 128, 4, 1)}
+         ("gemv", True): (2, 64, 64, 4, 1), ("decode", True): (16, 64, 64, 4, 2), ("prefill", True): (64, 64, 128, 4, 1)}
 
 
 ROUTE_SLOTS = 128  # route() takes one Triton launch (triton_route) up to this many slots: (slots)^2 comparisons
@@ -103,7 +105,6 @@ def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float 
     tiled = DECODER == "tiled" and K in (1, 2, 4, 8)
     mode = regime(rows_per_chunk, tiled and gemv)
     BM, BK, BN, warps, stages = TUNED[mode, tiled]
-    BM = 1 if mode == "gemv" else BM  # grouped_gemv takes chunks of one row
     BN = min(BN, n)
     programs = max(chunks, 1) * (n // BN)
     split = max(1, min(k // BK, 16, -(-FILL[mode] * sms // programs)))  # epilogues read every split
@@ -128,16 +129,21 @@ CODEBOOK_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
 MASK_8FFF = 0x8FFF8FFF - (1 << 32)  # the codebooks' mask as an int32 argument of grouped_gemv
 
 
-def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int):
-    """Rotated fp16 inputs (P, k): H_128 (x[rows[pos]] * suh[expert[pos]]), and the same with second's suh."""
+def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int, launch: Launch):
+    """Rotated inputs (P, k): H_128 (x[rows[pos]] * suh[expert[pos]]), and the same with second's suh; fp16
+    for tensor cores, fp32 for grouped_gemv (no conversion in its inner loop)."""
     from .triton_exl3 import rotate_rows
-    a0 = torch.empty(P, w.k, device=x.device, dtype=torch.float16)
+    a0 = torch.empty(P, w.k, device=x.device, dtype=_act_dtype(launch))
     a1 = torch.empty_like(a0) if second is not None else a0
     stride_se = w.suh.shape[-1] if w.experts else 0
     rotate_rows[(-(-P // 16), w.k // 128)](x, x.stride(0), rows, expert, w.suh, (second or w).suh, a0, a1,
                                            _had(str(x.device)), P, w.k, max(w.experts, 1), stride_se,
                                            DUAL=second is not None, BM=16)
     return a0, a1
+
+
+def _act_dtype(launch: Launch) -> torch.dtype:
+    return torch.float32 if launch.gemv else torch.float16
 
 
 def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, launch: Launch):
@@ -152,10 +158,10 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
     grid = (bound, w.n // launch.BN, launch.split)
     tiled = launch.tiled and w.K in (1, 2, 4, 8)
     if tiled and launch.gemv:
-        grouped_gemv[grid](a0, a1, pos, expert, count, words, other, p0, p1 if p1 is not None else p0, p0.shape[1],
+        grouped_gemv[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0, p0.shape[1],
                            w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], CB=CODEBOOK_ID[w.codebook],
                            DUAL=second is not None, BN=launch.BN, BK=launch.BK, SPLIT=launch.split,
-                           KLOG=int(w.K).bit_length() - 1, ASM=a0.device.type == "cuda",
+                           KLOG=int(w.K).bit_length() - 1, ASM=a0.device.type == "cuda", ROWS=launch.BM,
                            num_warps=launch.warps, num_stages=launch.stages)
         return
     grouped_gemm[grid](a0, a1, pos, length, expert, count, words, other, _windows(w.K, str(a0.device)),
@@ -193,7 +199,7 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     chunks = (pos, (M - pos).clamp(max=BM), torch.zeros_like(pos), count, len(pos))
     part = torch.empty(launch.split, M, w.n, device=dev, dtype=torch.float32)
     rows = torch.arange(M, device=dev, dtype=torch.int32)
-    a0, _ = _rotate(a, rows, torch.zeros_like(rows), w, None, M)
+    a0, _ = _rotate(a, rows, torch.zeros_like(rows), w, None, M, launch)
     _gemm(a0, a0, chunks, w, part, None, None, launch)
     out = torch.empty(M, w.out_features, device=dev, dtype=x.dtype)
     linear_epilogue[(-(-M // 16), w.n // 128)](part, w.svh, bias if bias is not None else w.svh, out, _had(str(dev)),
@@ -289,9 +295,9 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     a = _padded_rows(x, g.k)
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
     pu = torch.empty_like(pg)
-    a0, a1 = _rotate(a, r.rows, r.sorted_expert, g, experts.up, P)
+    a0, a1 = _rotate(a, r.rows, r.sorted_expert, g, experts.up, P, up_launch)
     _gemm(a0, a1, r.chunks, g, pg, pu, experts.up, up_launch)
-    mid = torch.empty(P, g.n, device=dev, dtype=torch.float16)
+    mid = torch.empty(P, g.n, device=dev, dtype=_act_dtype(down_launch))
     act_epilogue[(-(-P // 16), g.n // 128)](pg, pu, r.sorted_expert, g.svh, experts.up.svh, d.suh, _had(str(dev)),
                                             mid, P, g.n, experts.intermediate, E, float(limit or 0.0),
                                             HAS_LIMIT=limit is not None, SPLIT=up_launch.split, BM=16)

@@ -151,7 +151,7 @@ def rotate_out(acc, had):
 @triton.jit
 def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr, out1_ptr, had_ptr, P, k, E,
                 stride_se, DUAL: tl.constexpr, BM: tl.constexpr):
-    """out[pos] = H_128 (x[rows[pos]] * suh[expert[pos]]) in fp16, per 128-column block: the rotated input of
+    """out[pos] = H_128 (x[rows[pos]] * suh[expert[pos]]) in out's dtype, per 128-column block: the rotated input of
     the grouped GEMM (DUAL: a second suh, for up beside gate). Positions of other ranks' experts are skipped."""
     pos = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
@@ -163,10 +163,10 @@ def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr,
     vec = e[:, None] * stride_se + cols[None, :]
     out = pos.to(tl.int64)[:, None] * k + cols[None, :]
     y = rotate_out(x * tl.load(s0_ptr + vec, mask=mask, other=0.0).to(tl.float32), had)
-    tl.store(out0_ptr + out, y.to(tl.float16), mask=mask)
+    tl.store(out0_ptr + out, y.to(out0_ptr.dtype.element_ty), mask=mask)
     if DUAL:
         y = rotate_out(x * tl.load(s1_ptr + vec, mask=mask, other=0.0).to(tl.float32), had)
-        tl.store(out1_ptr + out, y.to(tl.float16), mask=mask)
+        tl.store(out1_ptr + out, y.to(out1_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -279,7 +279,7 @@ def linear_epilogue(p_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, n_out,
 def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, had_ptr, out_ptr,
                  P, n, n_real, E, limit, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
     """The middle of a MoE expert, per sorted slot: g, u = H(gate), H(up) scaled by svh; a = SiLU(g) u
-    (SwiGLU-clamped with a limit); out = H(a * suh_down) in fp16, the down projection's rotated input."""
+    (SwiGLU-clamped with a limit); out = H(a * suh_down) in out's dtype, the down projection's rotated input."""
     pos = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
@@ -298,7 +298,7 @@ def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, ha
     a = tl.where((cols < n_real)[None, :], a, 0.0)  # padded intermediate columns feed the down projection as 0
     a = a * tl.load(suh_d_ptr + vec, mask=mask, other=0.0).to(tl.float32)
     a = rotate_out(a, had)
-    tl.store(out_ptr + pos.to(tl.int64)[:, None] * n + cols[None, :], a.to(tl.float16), mask=mask)
+    tl.store(out_ptr + pos.to(tl.int64)[:, None] * n + cols[None, :], a.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
