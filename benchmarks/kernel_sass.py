@@ -1,5 +1,6 @@
 """Static cost of the grouped EXL3 GEMM: compile it for sm_90 (no GPU needed: Triton ships ptxas and
-cuobjdump), then print registers, local-memory use and the SASS of the K loop per decoded weight and thread.
+cuobjdump), then print registers, local-memory use and the SASS of the K loop per decoded weight and thread
+(grouped_gemv: per weight and row, for its one- and two-row loops; arguments aligned as at V4.1 shapes, which decides how Triton vectorises the loads).
 
     python benchmarks/kernel_sass.py [--arch 90]
 """
@@ -23,8 +24,8 @@ ARGS = [("a0_ptr", "*fp16"), ("a1_ptr", "*fp16"), ("chunk_pos_ptr", "*i32"), ("c
         ("stride_te", "i32")]
 
 
-GEMV_ARGS = [("a0_ptr", "*fp16"), ("a1_ptr", "*fp16"), ("chunk_pos_ptr", "*i32"), ("chunk_expert_ptr", "*i32"),
-             ("n_chunks_ptr", "*i32"), ("t0_ptr", "*i32"), ("t1_ptr", "*i32"), ("p0_ptr", "*fp32"),
+GEMV_ARGS = [("a0_ptr", "*fp32"), ("a1_ptr", "*fp32"), ("chunk_pos_ptr", "*i32"), ("chunk_len_ptr", "*i32"),
+             ("chunk_expert_ptr", "*i32"), ("n_chunks_ptr", "*i32"), ("t0_ptr", "*i32"), ("t1_ptr", "*i32"), ("p0_ptr", "*fp32"),
              ("p1_ptr", "*fp32"), ("P", "i32"), ("k", "i32"), ("n", "i32"), ("stride_te", "i32"), ("mask", "i32")]
 
 
@@ -40,14 +41,16 @@ def variants():
 def compile_variant(arch, BM, BN, BK, warps, stages, dual, tiled, swap=False, gemv=False, K=2, CB=1):
     if gemv:
         consts = dict(W=8 * K, CB=CB, DUAL=dual, BN=BN, BK=BK, SPLIT=1, KLOG=K.bit_length() - 1,
-                      ASM=True)
+                      ASM=True, ROWS=BM)
         fn, args = triton_gemv.grouped_gemv, GEMV_ARGS
     else:
         consts = dict(W=8 * K, CB=CB, DUAL=dual, BM=BM, BN=BN, BK=BK, SPLIT=1, TILED=tiled,
                       KLOG=K.bit_length() - 1, SWAP=swap)
         fn, args = triton_exl3.grouped_gemm, ARGS
     sig = dict(args, **{c: "constexpr" for c in consts})
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, (name, _) in enumerate(args)  # as at V4.1 shapes
+               if name.endswith("_ptr") or name in ("k", "n", "stride_te")}
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
@@ -57,14 +60,14 @@ def tool(name, cubin: bytes, *args) -> str:
     return subprocess.run([str(BIN / name), *args, str(path)], capture_output=True, text=True, check=True).stdout
 
 
-def loop_ops(sass: str) -> collections.Counter:
-    """Opcode counts between the target and the source of the (single) backward branch: the K loop."""
+def loop_ops(sass: str) -> list[collections.Counter]:
+    """Opcode counts between the target and the source of each backward branch (the K loops; grouped_gemv has
+    one for chunks of one row, then one for two), in code order."""
     ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)]
-    loops = [(int(m.group(1), 16), a) for a, t in ins if (m := re.search(r"BRA\s.*?(0x[0-9a-f]+)", t))
-             and int(m.group(1), 16) < a]
-    start, end = max(loops, key=lambda x: x[1] - x[0])
-    words = [t.split() for a, t in ins if start <= a <= end]
-    return collections.Counter((w[1] if w[0].startswith("@") else w[0]).split(".")[0] for w in words)
+    loops = sorted((int(m.group(1), 16), a) for a, t in ins if (m := re.search(r"BRA\s.*?(0x[0-9a-f]+)", t))
+                   and int(m.group(1), 16) < a)
+    return [collections.Counter((w[1] if w[0].startswith("@") else w[0]).split(".")[0]
+                                for w in (t.split() for a, t in ins if start <= a <= end)) for start, end in loops]
 
 
 def main():
@@ -76,12 +79,18 @@ def main():
         kernel = compile_variant(args.arch, BM, BN, BK, warps, stages, dual, tiled, swap, gemv)
         cubin = kernel.asm["cubin"]
         usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
-        ops = loop_ops(tool("cuobjdump", cubin, "-sass"))
-        per = BK * BN * (2 if dual else 1) / (32 * warps)  # weights decoded per thread per iteration
-        total = sum(ops.values())
-        top = ", ".join(f"{op} {n / per:.2f}" for op, n in ops.most_common(8))
+        loops = loop_ops(tool("cuobjdump", cubin, "-sass"))
+        if not gemv:  # the K loop is the longest
+            loops = [max(loops, key=lambda c: sum(c.values()))]
+        # products (decoded weight x row) per thread and iteration: a two-row chunk of grouped_gemv halves BK
+        per = BK * BN * (2 if dual else 1) / (32 * warps)
         print(f"{name:<20} BM={BM} BN={BN} BK={BK} warps={warps}{' swap' if swap else ''}: {usage.group(1)} registers, "
-              f"{usage.group(2)} B stack; loop {total / per:.1f} instructions per weight ({top})")
+              f"{usage.group(2)} B stack")
+        for rows, ops in enumerate(loops, 1):
+            top = ", ".join(f"{op} {n / per:.2f}" for op, n in ops.most_common(8))
+            what = f"{rows}-row chunks" if gemv else "K loop"
+            unit = "weight and row" if gemv else "decoded weight"
+            print(f"  {what}: {sum(ops.values()) / per:.2f} instructions per {unit} ({top})")
 
 
 if __name__ == "__main__":
