@@ -86,11 +86,11 @@ def main():
         per = BK * BN * (2 if dual else 1) / (32 * warps)
         print(f"{name:<20} BM={BM} BN={BN} BK={BK} warps={warps}{' swap' if swap else ''}: {usage.group(1)} registers, "
               f"{usage.group(2)} B stack")
-        for rows, ops in enumerate(loops, 1):
-            top = ", ".join(f"{op} {n / per:.2f}" for op, n in ops.most_common(8))
+        for rows, counts in enumerate(loops, 1):
+            top = ", ".join(f"{op} {n / per:.2f}" for op, n in counts.most_common(8))
             what = f"{rows}-row chunks" if gemv else "K loop"
             unit = "weight and row" if gemv else "decoded weight"
-            print(f"  {what}: {sum(ops.values()) / per:.2f} instructions per {unit} ({top})")
+            print(f"  {what}: {sum(counts.values()) / per:.2f} instructions per {unit} ({top})")
 
 
 if __name__ == "__main__":
