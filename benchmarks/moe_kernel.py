@@ -188,19 +188,21 @@ def stack_step(layers, experts, stock, dev, tokens=6, distinct=True):
     return out
 
 
-def sweep(experts, dev, tokens, grid, best_path=None):
-    """Time fused_moe under each launch setting of `grid` (lists of BM, BK, BN, warps, stages; both GEMMs, both
-    regimes; ops.plan still picks the K split). Writes the fastest setting per token count to best_path."""
+def sweep(experts, dev, tokens, grid, best_path=None, skew=False):
+    """Time fused_moe under each launch setting of `grid` (lists of BM, BK, BN, warps, stages; both GEMMs of the
+    regime each token count falls in; ops.plan still picks the K split). Writes the fastest setting per regime
+    to best_path."""
     tiled = ops.DECODER == "tiled"
     default, default_fill = dict(ops.TUNED), dict(ops.FILL)
     best = {}
     for T in tokens:
-        ids, weights = routing(T, E, TOPK, False, seed=T, device=dev)
+        ids, weights = routing(T, E, TOPK, skew, seed=T, device=dev)
         x = torch.randn(T, H, device=dev, dtype=torch.half)
+        mode = ops.regime(T * TOPK / ops.expected_experts(T * TOPK, E), tiled)  # as fused_moe plans it
         for *cfg, fill in itertools.product(grid["bm"], grid["bk"], grid["bn"], grid["warps"], grid["stages"],
                                             grid["fill"] or [None]):
             cfg, ops.FILL = tuple(cfg), dict.fromkeys(ops.FILL, fill) if fill else dict(default_fill)
-            ops.TUNED.update({key: cfg for key in ops.TUNED if key[1] == tiled})  # gemv takes BM = 1
+            ops.TUNED[mode, tiled] = cfg
             try:
                 t = time_graph(lambda: ops.fused_moe(x, ids, weights, experts, backend="triton"), reps=10)
             except Exception as e:
@@ -208,14 +210,13 @@ def sweep(experts, dev, tokens, grid, best_path=None):
                 continue
             print(f"sweep T={T} BM,BK,BN,warps,stages={cfg} fill={fill}: {t * 1e6:.1f} us", flush=True)
             if t < best.get(T, (None, float("inf")))[1]:
-                best[T] = (cfg, t)
-    ops.TUNED.update(default)
+                best[T] = (cfg, t, mode)
+        ops.TUNED.update(default)
     ops.FILL = default_fill
-    for T, (cfg, t) in best.items():
-        print(f"best T={T}: {cfg} {t * 1e6:.1f} us")
+    for T, (cfg, t, mode) in best.items():
+        print(f"best T={T} ({mode}): {cfg} {t * 1e6:.1f} us")
     if best_path:
-        Path(best_path).write_text(json.dumps({ops.regime(T * TOPK / min(T * TOPK, E), tiled): cfg  # as planned
-                                               for T, (cfg, t) in best.items()}))
+        Path(best_path).write_text(json.dumps({mode: cfg for cfg, t, mode in best.values()}))
 
 
 def profile(experts, dev, tokens):
@@ -246,7 +247,8 @@ def main():
     for name, default in (("bm", [16]), ("bk", [16, 32, 64]), ("bn", [32, 64, 128]), ("warps", [4, 8]),
                           ("stages", [1, 2, 3]), ("fill", None)):
         p.add_argument(f"--{name}", type=int, nargs="+", default=default, help=f"--sweep grid ({name})")
-    p.add_argument("--best", help="--sweep: write the fastest setting per token count to this JSON file")
+    p.add_argument("--best", help="--sweep: write the fastest setting per regime to this JSON file")
+    p.add_argument("--skewed", action="store_true", help="--sweep: time skewed routing (else uniform)")
     p.add_argument("--tuned", help="JSON {\"gemv\": [BM, BK, BN, warps, stages], \"decode\": [...], \"prefill\": [...]} to use")
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
     p.add_argument("--swap", nargs="*", choices=("decode", "prefill"), default=sorted(ops.SWAP_AB),
@@ -269,7 +271,7 @@ def main():
         profile(experts, dev, args.tokens)
         return
     if args.sweep:
-        sweep(experts, dev, args.tokens, vars(args), args.best)
+        sweep(experts, dev, args.tokens, vars(args), args.best, args.skewed)
         return
     stock = None
     if not args.no_stock:

@@ -266,6 +266,12 @@ def _route_small(topk_ids, experts, BM, expert_map) -> Routing:
     return Routing(out[0], out[1], out[2], out[3], (table[0], table[1], table[2], count, bound))
 
 
+def expected_experts(slots: int, experts: int) -> int:
+    """Distinct experts that `slots` (token, k) pairs pick under uniform routing: what launches are planned for,
+    as the real count is known only on the device."""
+    return max(1, round(experts * (1 - (1 - 1 / experts) ** slots)))
+
+
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Exl3Experts,
               limit: float | None = None, expert_map: torch.Tensor | None = None,
               backend: str = "auto") -> torch.Tensor:
@@ -284,7 +290,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     P, E, dev = M * top_k, experts.count, x.device
     g, d = experts.gate, experts.down
     sms = _sms(dev)
-    unique = max(1, round(E * (1 - (1 - 1 / E) ** P)))  # distinct experts to expect under uniform routing
+    unique = expected_experts(P, E)
     up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K)
     down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K)
     if up_launch.gemv != down_launch.gemv:  # mixed K: one chunking serves both GEMMs, so tensor cores for both
