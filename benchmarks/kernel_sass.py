@@ -1,6 +1,7 @@
 """Static cost of the grouped EXL3 GEMM: compile it for sm_90 (no GPU needed: Triton ships ptxas and
 cuobjdump), then print registers, local-memory use and the SASS of the K loop per decoded weight and thread
-(grouped_gemv: per weight and row, for its one- and two-row loops; arguments aligned as at V4.1 shapes, which decides how Triton vectorises the loads).
+(grouped_gemv: per weight and row, for its one- and two-row loops). Arguments are aligned as at V4.1 shapes,
+which decides how Triton vectorises the loads.
 
     python benchmarks/kernel_sass.py [--arch 90]
 """
@@ -25,8 +26,9 @@ ARGS = [("a0_ptr", "*fp16"), ("a1_ptr", "*fp16"), ("chunk_pos_ptr", "*i32"), ("c
 
 
 GEMV_ARGS = [("a0_ptr", "*fp32"), ("a1_ptr", "*fp32"), ("chunk_pos_ptr", "*i32"), ("chunk_len_ptr", "*i32"),
-             ("chunk_expert_ptr", "*i32"), ("n_chunks_ptr", "*i32"), ("t0_ptr", "*i32"), ("t1_ptr", "*i32"), ("p0_ptr", "*fp32"),
-             ("p1_ptr", "*fp32"), ("P", "i32"), ("k", "i32"), ("n", "i32"), ("stride_te", "i32"), ("mask", "i32")]
+             ("chunk_expert_ptr", "*i32"), ("n_chunks_ptr", "*i32"), ("t0_ptr", "*i32"), ("t1_ptr", "*i32"),
+             ("p0_ptr", "*fp32"), ("p1_ptr", "*fp32"), ("P", "i32"), ("k", "i32"), ("n", "i32"), ("stride_te", "i32"),
+             ("mask", "i32")]
 
 
 def variants():

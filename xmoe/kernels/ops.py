@@ -82,7 +82,8 @@ SWAP_AB = {"decode"}
 # the tensor cores on uniform routing and 0.9x on skewed; from 24 tokens it loses 1.7x and more on skewed.
 GEMV_ROWS = 1.12
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
-         ("gemv", True): (2, 64, 64, 4, 1), ("decode", True): (16, 64, 64, 4, 2), ("prefill", True): (64, 64, 128, 4, 1)}
+         ("gemv", True): (2, 64, 64, 4, 1), ("decode", True): (16, 64, 64, 4, 2),
+         ("prefill", True): (64, 64, 128, 4, 1)}
 
 
 ROUTE_SLOTS = 128  # route() takes one Triton launch (triton_route) up to this many slots: (slots)^2 comparisons
@@ -158,8 +159,8 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
     grid = (bound, w.n // launch.BN, launch.split)
     tiled = launch.tiled and w.K in (1, 2, 4, 8)
     if tiled and launch.gemv:
-        grouped_gemv[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0, p0.shape[1],
-                           w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], CB=CODEBOOK_ID[w.codebook],
+        grouped_gemv[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0,
+                           p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], CB=CODEBOOK_ID[w.codebook],
                            DUAL=second is not None, BN=launch.BN, BK=launch.BK, SPLIT=launch.split,
                            KLOG=int(w.K).bit_length() - 1, ASM=a0.device.type == "cuda", ROWS=launch.BM,
                            num_warps=launch.warps, num_stages=launch.stages)

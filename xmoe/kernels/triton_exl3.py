@@ -151,8 +151,9 @@ def rotate_out(acc, had):
 @triton.jit
 def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr, out1_ptr, had_ptr, P, k, E,
                 stride_se, DUAL: tl.constexpr, BM: tl.constexpr):
-    """out[pos] = H_128 (x[rows[pos]] * suh[expert[pos]]) in out's dtype, per 128-column block: the rotated input of
-    the grouped GEMM (DUAL: a second suh, for up beside gate). Positions of other ranks' experts are skipped."""
+    """out[pos] = H_128 (x[rows[pos]] * suh[expert[pos]]) in out's dtype, per 128-column block: the rotated
+    input of the grouped GEMM (DUAL: a second suh, for up beside gate). Other ranks' experts' positions are
+    skipped."""
     pos = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     e = tl.load(expert_ptr + pos, mask=pos < P, other=E).to(tl.int64)

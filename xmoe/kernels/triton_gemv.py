@@ -1,5 +1,5 @@
-"""The CUDA-core path of the grouped EXL3 GEMM, for chunks of one row (decode sizes): decoded weights go from the
-codebook straight into FMAs instead of through shared memory to the tensor cores."""
+"""The CUDA-core path of the grouped EXL3 GEMM, for chunks of one or two rows (decode sizes): decoded weights go
+from the codebook straight into FMAs instead of through shared memory to the tensor cores."""
 import triton
 import triton.language as tl
 
