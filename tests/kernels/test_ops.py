@@ -214,6 +214,38 @@ def test_moe_cuda_graph_replay_equals_eager():
         assert torch.equal(out, ops.fused_moe(x, ids, weights, experts, backend="triton"))
 
 
+def test_row_chunks_kept_per_shape():
+    """A dense layer's chunk tables are built once per shape: M rows in chunks of BM, all on expert 0."""
+    (pos, length, expert, count, bound), rows, zeros = ops._row_chunks(5, 2, torch.device("cpu"))
+    assert pos.tolist() == [0, 2, 4] and length.tolist() == [2, 2, 1] and expert.tolist() == [0, 0, 0]
+    assert count.tolist() == [3] and bound == 3 and rows.tolist() == list(range(5)) and zeros.tolist() == [0] * 5
+    assert ops._row_chunks(5, 2, torch.device("cpu"))[0][0] is pos
+
+
+@pytest.mark.gpu
+def test_linear_cuda_graph_replay_equals_eager():
+    """exl3_linear replayed from CUDA graphs equals eager calls: for a shape first seen inside the capture (its
+    chunk tables are then made by the graph) and for one whose tables were kept from an eager call."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    w = random_weight(1024, 512, 2, "mcg", device="cuda")
+    ops.exl3_linear(torch.randn(4, 1024, device="cuda", dtype=torch.float16), w, backend="triton")  # compiles
+    for M, eager_first in ((3, False), (5, True)):
+        x = torch.randn(M, 1024, device="cuda", dtype=torch.float16)
+        if eager_first:
+            ops.exl3_linear(x, w, backend="triton")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            out = ops.exl3_linear(x, w, backend="triton")
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(2):
+            x.normal_()
+            graph.replay()
+            assert torch.equal(out, ops.exl3_linear(x, w, backend="triton")), M
+
+
 def test_route_small_equals_route_interpreter():
     """The one-launch routing of decode sizes gives route()'s sorted slots and chunks exactly."""
     pytest.importorskip("triton")

@@ -180,6 +180,27 @@ def _padded_rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+_ROW_CHUNKS: dict = {}
+
+
+def _row_chunks(M: int, BM: int, device: torch.device) -> tuple:
+    """A dense layer's routing: its M rows in chunks of BM, all on "expert" 0; (chunks, rows, zeros) as _gemm and
+    _rotate take them. Kept per shape, since building them is six small kernels, more than the layer's own at
+    one row; not kept when made inside a CUDA-graph capture, where they are filled only when the graph runs."""
+    key = (M, BM, str(device))
+    if key in _ROW_CHUNKS:
+        return _ROW_CHUNKS[key]
+    pos = torch.arange(0, M, BM, device=device, dtype=torch.int32)
+    count = torch.full((1,), len(pos), device=device, dtype=torch.int32)
+    rows = torch.arange(M, device=device, dtype=torch.int32)
+    made = (pos, (M - pos).clamp(max=BM), torch.zeros_like(pos), count, len(pos)), rows, torch.zeros_like(rows)
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        if len(_ROW_CHUNKS) >= 256:
+            _ROW_CHUNKS.clear()
+        _ROW_CHUNKS[key] = made
+    return made
+
+
 def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None,
                 backend: str = "auto") -> torch.Tensor:
     """y = x W + bias for x (..., in_features) fp16/bf16/fp32; returns (..., out_features) in x's dtype."""
@@ -193,14 +214,10 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     a = _padded_rows(x, w.k)
     M = a.shape[0]
     launch = plan(-(-M // 16), w.n, w.k, M, _sms(x.device), w.K)
-    BM = launch.BM
     dev = x.device
-    pos = torch.arange(0, M, BM, device=dev, dtype=torch.int32)
-    count = torch.full((1,), len(pos), device=dev, dtype=torch.int32)
-    chunks = (pos, (M - pos).clamp(max=BM), torch.zeros_like(pos), count, len(pos))
+    chunks, rows, zeros = _row_chunks(M, launch.BM, dev)
     part = torch.empty(launch.split, M, w.n, device=dev, dtype=torch.float32)
-    rows = torch.arange(M, device=dev, dtype=torch.int32)
-    a0, _ = _rotate(a, rows, torch.zeros_like(rows), w, None, M, launch)
+    a0, _ = _rotate(a, rows, zeros, w, None, M, launch)
     _gemm(a0, a0, chunks, w, part, None, None, launch)
     out = torch.empty(M, w.out_features, device=dev, dtype=x.dtype)
     linear_epilogue[(-(-M // 16), w.n // 128)](part, w.svh, bias if bias is not None else w.svh, out, _had(str(dev)),
