@@ -241,6 +241,11 @@ class Routing:
     chunks: tuple
 
 
+def chunk_bound(slots: int, BM: int, experts: int) -> int:
+    """The most chunks `slots` sorted slots can make, cut at BM rows per expert: the grid's host-known bound."""
+    return min(slots, -(-slots // BM) + experts)
+
+
 def route(topk_ids: torch.Tensor, experts: int, BM: int, expert_map: torch.Tensor | None = None,
           backend: str = "torch") -> Routing:
     """Group slots by expert with device-side sort, scan and scatter: no host sync, so it graph-captures.
@@ -260,7 +265,7 @@ def route(topk_ids: torch.Tensor, experts: int, BM: int, expert_map: torch.Tenso
     counts = torch.zeros(experts + 1, dtype=torch.long, device=key.device).scatter_add_(0, key, torch.ones_like(key))
     run_end = run_start + counts[sorted_e]
     leader = ((pos - run_start) % BM == 0) & (sorted_e < experts)
-    bound = min(P, -(-P // BM) + experts)
+    bound = chunk_bound(P, BM, experts)
     idx = torch.where(leader, leader.cumsum(0) - 1, bound)
     table = torch.zeros(3, bound + 1, dtype=torch.int32, device=key.device)
     table.scatter_(1, idx.expand(3, P), torch.stack([pos, (run_end - pos).clamp(max=BM), sorted_e]).int())
@@ -273,7 +278,7 @@ def _route_small(topk_ids, experts, BM, expert_map) -> Routing:
     import triton
     from .triton_route import route_small
     P, dev = topk_ids.numel(), topk_ids.device
-    bound = min(P, -(-P // BM) + experts)
+    bound = chunk_bound(P, BM, experts)
     out = torch.empty(4, P, dtype=torch.int32, device=dev)  # rows, sorted_expert, slot_pos, slot_expert
     table = torch.empty(3, bound + 1, dtype=torch.int32, device=dev)
     count = torch.empty(1, dtype=torch.int32, device=dev)
