@@ -78,8 +78,8 @@ DECODER = "tiled"
 SWAP_AB = {"decode"}
 # Expected rows per chunk (uniform routing) up to which tiled launches take grouped_gemv: chunks of up to 2 rows
 # (its BM) on CUDA cores, so no decoded weight passes through shared memory on its way to an MMA, but an expert
-# with more rows is decoded again for every 2. On the H200 at V4.1 shapes: up to 12 tokens, where it is 1.4x
-# the tensor cores on uniform routing and 0.9x on skewed; from 24 tokens it loses 1.7x and more on skewed.
+# with more rows is decoded again for every 2. On the H200 at V4.1 shapes (two runs): up to 12 tokens, where it
+# is 1.4x the tensor cores on uniform routing and 0.9x on skewed; from 24 tokens it loses 1.7x and more on skewed.
 GEMV_ROWS = 1.12
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
          ("gemv", True): (2, 64, 64, 4, 1), ("decode", True): (16, 64, 64, 4, 2),
