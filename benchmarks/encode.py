@@ -22,7 +22,7 @@ from xmoe.quant.viterbi_triton import viterbi_triton  # noqa: E402
 
 FLAGS = {"3inst": (False, False), "mcg": (True, False), "mul1": (False, True)}
 # Triton Viterbi variants timed side by side (viterbi_triton.TUNED settings, or explicit ones).
-VARIANTS = {"xmoe": {}}
+VARIANTS = {"xmoe": {}, "fp32": {"half": False}}  # fp32: the fp32-cost kernel at K = 2 too
 
 
 def check_decode(ext, dev):

@@ -1,5 +1,5 @@
-"""The Triton Viterbi against the torch reference: on the CPU under TRITON_INTERPRET=1 (in a subprocess,
-since the variable must be set before Triton compiles anything) and natively on a GPU."""
+"""The Triton Viterbi kernels against the torch reference: on the CPU under TRITON_INTERPRET=1 (in a
+subprocess, since the variable must be set before Triton compiles anything) and natively on a GPU."""
 import os
 import subprocess
 import sys
@@ -10,31 +10,64 @@ import torch
 CASES = [(2, "mcg"), (3, "mul1"), (4, "3inst"), (6, "mcg")]
 
 
+def _tiles(n: int, codebook: str, device: str, seed: int) -> torch.Tensor:
+    from xmoe.format import codebook_table
+
+    std = codebook_table(codebook).float().std()
+    return (torch.randn(n, 256, generator=torch.Generator().manual_seed(seed)) * std).to(device)
+
+
+def _errors(tiles, states, codebook):
+    from xmoe.format import codebook_table
+
+    return ((codebook_table(codebook, tiles.device).float()[states] - tiles) ** 2).sum(1)
+
+
 def compare(K: int, codebook: str, device: str, nodes: int) -> None:
-    from xmoe.format import check_tail_biting, codebook_table
+    """The fp32 kernel: the same search as the reference, so the same path cost."""
+    from xmoe.format import check_tail_biting
     from xmoe.quant.viterbi import viterbi_torch
     from xmoe.quant.viterbi_triton import viterbi_triton
 
-    std = codebook_table(codebook).float().std()
-    tiles = (torch.randn(3, 256, generator=torch.Generator().manual_seed(K)) * std).to(device)
-    ref = viterbi_torch(tiles, K, codebook)
-    got = viterbi_triton(tiles, K, codebook, nodes=nodes)
-    table = codebook_table(codebook, device).float()
-    err_ref = ((table[ref] - tiles) ** 2).sum(1)
-    err_got = ((table[got] - tiles) ** 2).sum(1)
+    tiles = _tiles(3, codebook, device, K)
+    got = viterbi_triton(tiles, K, codebook, nodes=nodes, half=False)
     assert check_tail_biting(got, K)
-    # Same search, so the same path cost; states may differ only where two paths tie exactly.
+    err_ref, err_got = _errors(tiles, viterbi_torch(tiles, K, codebook), codebook), _errors(tiles, got, codebook)
+    # states may differ only where two paths tie exactly
     assert torch.allclose(err_got, err_ref, rtol=1e-5, atol=1e-6), (err_got, err_ref)
+
+
+def compare_half(codebook: str, device: str, n: int, waves: bool) -> None:
+    """The fp16-pair kernel at K = 2: closed paths whose error is the reference's up to fp16 cost rounding,
+    over several waves of tiles when `waves` (scratch for one program per SM at a time)."""
+    from xmoe.format import check_tail_biting
+    from xmoe.quant.viterbi import viterbi_torch
+    from xmoe.quant.viterbi_triton import viterbi_triton
+
+    tiles = _tiles(n, codebook, device, 7)
+    got = viterbi_triton(tiles, 2, codebook, **({"scratch_bytes": 1} if waves else {}))
+    assert check_tail_biting(got, 2)
+    err_ref, err_got = _errors(tiles, viterbi_torch(tiles, 2, codebook), codebook), _errors(tiles, got, codebook)
+    assert (err_got / err_ref).max() < 1.01, (err_got, err_ref)
+    assert err_got.sum() / err_ref.sum() < 1.002, (err_got.sum(), err_ref.sum())
+
+
+def _interpret(call: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_viterbi_triton as t; t.{call}"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("K,codebook", CASES)
 def test_interpreter_matches_reference(K, codebook):
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); " \
-           f"from test_viterbi_triton import compare; compare({K}, {codebook!r}, 'cpu', 1 << 16)"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    _interpret(f"compare({K}, {codebook!r}, 'cpu', 1 << 16)")
+
+
+def test_interpreter_half_matches_reference():
+    pytest.importorskip("triton")
+    _interpret("compare_half('mcg', 'cpu', 2, True)")
 
 
 @pytest.mark.gpu
@@ -43,3 +76,12 @@ def test_gpu_matches_reference(K, codebook):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     compare(K, codebook, "cuda", 4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codebook", ["mcg", "mul1", "3inst"])
+@pytest.mark.parametrize("waves", [False, True])
+def test_gpu_half_matches_reference(codebook, waves):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    compare_half(codebook, "cuda", 300, waves)

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ..format.codebook import CODEBOOKS, codebook_table
 from ..kernels.triton_exl3 import codebook_fp16
+from .viterbi_half import viterbi_half_triton
 
 # Launch settings per K: (nodes per chunk, warps, codebook from a table), swept on an H200 (docs/RESULTS.md).
 TUNED = {2: (1024, 8, False), 3: (1024, 8, True), 4: (1024, 8, True)}
@@ -102,12 +103,13 @@ def _viterbi_kernel(tiles_ptr, states_ptr, cost_ptr, bp_ptr, table, K: tl.conste
 
 def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128,
                    scratch_bytes: int = 4 << 30, nodes: int | None = None, num_warps: int | None = None,
-                   table: bool | None = None) -> torch.Tensor:
+                   table: bool | None = None, half: bool | None = None) -> torch.Tensor:
     """tiles: float32 (T, 256) -> int64 states (T, 256); same algorithm as viterbi.viterbi_torch.
 
-    Programs take `nodes` nodes per chunk (a power of two; four or more per thread keeps every load and
-    store in the thread's own layout, no shuffle through shared memory); tiles run in waves whose
-    backpointers fit in `scratch_bytes` (256 bytes per node per tile). With `table` the codebook is read
+    `half` (the default at K = 2) runs viterbi_half's kernel instead: fp16 costs in pairs, the codebook in
+    registers (2.4x faster on an H200). Otherwise programs take `nodes` nodes per chunk (a power of two; four
+    or more per thread keeps every load and store in the thread's own layout, no shuffle through shared
+    memory); tiles run in waves whose backpointers fit in `scratch_bytes` (256 bytes per node per tile). With `table` the codebook is read
     from a 256 KB fp32 table instead of evaluated in registers. Unset settings come from TUNED."""
     if not float(K).is_integer() or not 1 <= K <= 8:
         raise ValueError(f"the Triton Viterbi handles integer K 1..8, not {K}")
@@ -116,6 +118,12 @@ def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128
     if not 1 <= warmup <= 128:
         raise ValueError(f"warmup must be in 1..128, not {warmup}")
     K = int(K)
+    if half is None:
+        half = K == 2
+    if half:
+        if K != 2:
+            raise ValueError(f"the fp16-pair Viterbi handles K = 2 only, not {K}")
+        return viterbi_half_triton(tiles, codebook, warmup, scratch_bytes)
     tuned = TUNED.get(K, DEFAULT)
     nodes, num_warps, table = (tuned[i] if v is None else v for i, v in enumerate((nodes, num_warps, table)))
     all_nodes = 1 << (16 - K)
