@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.stock import load_stock  # noqa: E402
 from xmoe.format import CODEBOOKS, codebook_table, decode_inner, decode_weight, had_cols, had_rows  # noqa: E402
-from xmoe.quant import encode_tiles, quantize_linear  # noqa: E402
+from xmoe.quant import quantize_linear  # noqa: E402
 from xmoe.quant.viterbi_triton import viterbi_triton  # noqa: E402
 
 FLAGS = {"3inst": (False, False), "mcg": (True, False), "mul1": (False, True)}

@@ -26,6 +26,7 @@ INF2 = tl.constexpr(0x7C007C00)
 
 @triton.jit
 def _halves(x):
+    """A word's two fp16 halves, as fp32 (the interpreter's path)."""
     lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = ((x >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
@@ -33,6 +34,7 @@ def _halves(x):
 
 @triton.jit
 def _pair(lo, hi):
+    """Two fp32 values rounded to fp16 and packed into a word, lo in the low half."""
     lo = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
     return lo | (hi << 16)
@@ -43,14 +45,9 @@ def _cost(v, w, prev, HI: tl.constexpr, ASM: tl.constexpr):
     """(v - w)^2 + p on fp16 pairs, the square and the add fused, where p is the low (HI: the high) half of
     prev in both halves (ptxas folds the spread into the operand)."""
     if ASM:
-        if HI:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b16 l, h; .reg .b32 d, p; mov.b32 {l, h}, $3; mov.b32 p, {h, h}; "
-                "sub.rn.f16x2 d, $1, $2; fma.rn.f16x2 $0, d, d, p; }", "=r,r,r,r",
-                [v, w, prev], dtype=tl.int32, is_pure=True, pack=1)
         return tl.inline_asm_elementwise(
-            "{ .reg .b16 l, h; .reg .b32 d, p; mov.b32 {l, h}, $3; mov.b32 p, {l, l}; "
-            "sub.rn.f16x2 d, $1, $2; fma.rn.f16x2 $0, d, d, p; }", "=r,r,r,r",
+            "{ .reg .b16 l, h; .reg .b32 d, p; mov.b32 {l, h}, $3; mov.b32 p, " + ("{h, h}" if HI else "{l, l}")
+            + "; sub.rn.f16x2 d, $1, $2; fma.rn.f16x2 $0, d, d, p; }", "=r,r,r,r",
             [v, w, prev], dtype=tl.int32, is_pure=True, pack=1)
     v0, v1 = _halves(v)
     w0, w1 = _halves(w)
