@@ -11,7 +11,7 @@ import os
 import shutil
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import asdict
 from multiprocessing import get_context
 from pathlib import Path
@@ -38,31 +38,52 @@ def expert_seed(key: str, seed: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:4], "little")
 
 
-def load_expert(src: Path, shard: str, p: ExpertProj, stored: list | None = None) -> torch.Tensor:
-    """fp32 (out, in) weight of one expert projection, reading only its own bytes (counted in `stored`)."""
+def read_expert(src: Path, shard: str, p: ExpertProj) -> tuple:
+    """The stored tensors of one expert projection (weight, scale or None), reading only their own bytes."""
     with safe_open(str(src / shard), framework="pt") as f:
         if p.rows is not None:
             weight = f.get_slice(p.source)[p.expert, p.rows[0]:p.rows[1]]
         else:
             weight = f.get_tensor(p.source)
         scale = f.get_tensor(p.scale) if p.scale else None
-    if stored is not None:
-        stored.append(sum(t.numel() * t.element_size() for t in (weight, scale) if t is not None))
-    return dequantize(weight, scale, p.source)
+    return weight, scale
+
+
+def load_expert(src: Path, shard: str, p: ExpertProj, device: str = "cpu", stored: tuple | None = None
+                ) -> torch.Tensor:
+    """fp32 (out, in) weight of one expert projection, dequantized on `device` (from `stored` when it was
+    read ahead)."""
+    weight, scale = stored or read_expert(src, shard, p)
+    return dequantize(weight.to(device), None if scale is None else scale.to(device), p.source)
 
 
 def quantize_part(src: Path, shard: str, p: ExpertProj, K: float, opts: ConvertOptions, device: str,
-                  part: Path) -> dict:
+                  part: Path, stored: tuple | None = None) -> dict:
     """Quantize one projection to `part`; returns its report entry."""
-    t0, stored = time.perf_counter(), []
-    w = load_expert(src, shard, p, stored).to(device)
+    t0 = time.perf_counter()
+    stored = stored or read_expert(src, shard, p)
+    w = load_expert(src, shard, p, device, stored)
     t = quantize_linear(w, K, opts.codebook, opts.encoder, seed=expert_seed(p.key, opts.seed),
                         beam_width=opts.beam_width)
     w_hat = decode_weight({k: v.to(device) for k, v in t.items()})[: w.shape[1], : w.shape[0]].T
     err = float((w_hat - w).pow(2).sum() / w.pow(2).sum().clamp_min(1e-30))
-    entry = {"key": p.key, "K": K, "rel_err": err, "seconds": time.perf_counter() - t0, "bytes_in": stored[0]}
+    nbytes = sum(x.numel() * x.element_size() for x in stored if x is not None)
+    entry = {"key": p.key, "K": K, "rel_err": err, "seconds": time.perf_counter() - t0, "bytes_in": nbytes}
     save_layers(part, {p.key: t}, metadata={"rel_err": repr(err)})
     return entry
+
+
+def run_local(jobs: list, device: str, parts: Path, finished) -> None:
+    """Jobs in order on one device, each one's source read by a thread while the one before is encoded."""
+    if not jobs:
+        return
+    with ThreadPoolExecutor(1) as reader:
+        ahead = reader.submit(read_expert, *jobs[0][:3])
+        for i, job in enumerate(jobs):
+            stored = ahead.result()
+            if i + 1 < len(jobs):
+                ahead = reader.submit(read_expert, *jobs[i + 1][:3])
+            finished(quantize_part(*job, device, parts / f"{job[2].key}.safetensors", stored))
 
 
 _device = None
@@ -117,8 +138,7 @@ def run_jobs(plan: Plan, opts: ConvertOptions, devices: list[str], parts: Path, 
     if ray_address:
         run_ray(jobs, parts, ray_address, any(d.startswith("cuda") for d in devices), finished)
     elif len(devices) == 1:
-        for job in jobs:
-            finished(quantize_part(*job, devices[0], parts / f"{job[2].key}.safetensors"))
+        run_local(jobs, devices[0], parts, finished)
     else:
         ctx = get_context("spawn")
         queue = ctx.Manager().Queue()

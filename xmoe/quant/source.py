@@ -34,7 +34,8 @@ def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.T
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
     out, half = packed.shape
     b = packed.view(torch.uint8).to(torch.int64)
-    vals = torch.stack([E2M1[b & 0xF], E2M1[b >> 4]], dim=-1).reshape(out, 2 * half)
+    table = E2M1.to(b.device)
+    vals = torch.stack([table[b & 0xF], table[b >> 4]], dim=-1).reshape(out, 2 * half)
     s = _scale_values(scale)
     if tuple(s.shape) != (out, 2 * half // 32):
         raise ValueError(f"{name}: MXFP4 scale shape {tuple(scale.shape)}, expected {(out, 2 * half // 32)}")
