@@ -106,11 +106,44 @@ def compare_encoders(ext, dev, n_tiles):
     return rows
 
 
+def half_launches(dev, n_tiles: int = 1980) -> dict:
+    """ms per launch of the K = 2 fp16-pair Viterbi over one wave of tiles (CUDA events, warm, mean of 3)."""
+    import triton
+
+    from xmoe.quant import viterbi_half as vh
+
+    tiles = torch.randn(n_tiles, 256, device=dev) * 1.24
+    ends = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
+    states = torch.empty(n_tiles, 256, dtype=torch.int32, device=dev)
+    bp = torch.empty((n_tiles, 256, vh.M2.value), dtype=torch.int32, device=dev)
+    grid = (triton.cdiv(n_tiles, 32),)
+    launches = {
+        "pass 1": lambda: vh._forward_kernel[(n_tiles,)](tiles, ends, bp, CB=1, WARMUP=128, PASS=1, ASM=True,
+                                                         num_warps=16),
+        "trace 1": lambda: vh._trace_kernel[grid](ends, bp, states, n_tiles, STEPS=128, STATES=False, BLOCK=32),
+        "pass 2": lambda: vh._forward_kernel[(n_tiles,)](tiles, ends, bp, CB=1, WARMUP=128, PASS=2, ASM=True,
+                                                         num_warps=16),
+        "trace 2": lambda: vh._trace_kernel[grid](ends, bp, states, n_tiles, STEPS=256, STATES=True, BLOCK=32)}
+    out = {}
+    for name, fn in launches.items():
+        fn()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(3):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out[name] = a.elapsed_time(b) / 3
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    out["us per step"] = out["pass 2"] * 1e3 / (n_tiles / sms) / 256
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiles", type=int, default=16384)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--skip", nargs="*", default=[], choices=["decode", "layers", "encoders"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["decode", "layers", "encoders", "launches"])
     args = ap.parse_args()
     dev = torch.device("cuda:0")
     ext = load_stock()
@@ -129,6 +162,10 @@ def main():
     if "encoders" not in args.skip:
         print(f"(c) encoders on {args.tiles} Gaussian tiles")
         report["encoders"] = compare_encoders(ext, dev, args.tiles)
+    if "launches" not in args.skip:
+        report["half_launches"] = half_launches(dev)
+        print("(d) K=2 fp16-pair Viterbi, one wave of 1,980 tiles: " +
+              ", ".join(f"{k} {v:.2f} {'us' if 'us' in k else 'ms'}" for k, v in report["half_launches"].items()))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 
