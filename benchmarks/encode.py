@@ -120,10 +120,12 @@ def half_launches(dev, n_tiles: int = 1980) -> dict:
     launches = {
         "pass 1": lambda: vh._forward_kernel[(n_tiles,)](tiles, ends, bp, CB=1, WARMUP=128, PASS=1, ASM=True,
                                                          num_warps=16),
-        "trace 1": lambda: vh._trace_kernel[grid](ends, bp, states, n_tiles, STEPS=128, STATES=False, BLOCK=32),
+        "trace 1": lambda: vh._trace_kernel[grid](ends, bp, states, n_tiles, K=2, STEPS=128, STATES=False,
+                                                  BLOCK=32),
         "pass 2": lambda: vh._forward_kernel[(n_tiles,)](tiles, ends, bp, CB=1, WARMUP=128, PASS=2, ASM=True,
                                                          num_warps=16),
-        "trace 2": lambda: vh._trace_kernel[grid](ends, bp, states, n_tiles, STEPS=256, STATES=True, BLOCK=32)}
+        "trace 2": lambda: vh._trace_kernel[grid](ends, bp, states, n_tiles, K=2, STEPS=256, STATES=True,
+                                                  BLOCK=32)}
     out = {}
     for name, fn in launches.items():
         fn()

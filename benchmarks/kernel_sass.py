@@ -1,8 +1,8 @@
 """Static cost of the grouped EXL3 GEMM: compile it for sm_90 (no GPU needed: Triton ships ptxas and
 cuobjdump), then print registers, local-memory use and the SASS of the K loop per decoded weight and thread
 (grouped_gemv: per weight and row, for its one- and two-row loops). Arguments are aligned as at V4.1 shapes,
-which decides how Triton vectorises the loads. With --viterbi: the same for the K = 2 fp16-pair Viterbi's
-step loop, per candidate (65,536 a step).
+which decides how Triton vectorises the loads. With --viterbi: the same for the fp16-pair Viterbi's step
+loop at K = 2, 3, 4, per candidate (65,536 a step).
 
     python benchmarks/kernel_sass.py [--arch 90] [--viterbi]
 """
@@ -76,24 +76,27 @@ def loop_ops(sass: str) -> list[collections.Counter]:
 def viterbi(arch: int, warps: int = 16) -> None:
     from xmoe.quant import viterbi_half
 
-    sig = {"tiles_ptr": "*fp32", "ends_ptr": "*i32", "bp_ptr": "*i32", "CB": "constexpr", "WARMUP": "constexpr",
-           "PASS": "constexpr", "ASM": "constexpr"}
-    src = triton.compiler.ASTSource(fn=viterbi_half._forward_kernel, signature=sig,
-                                    constexprs=dict(CB=1, WARMUP=128, PASS=2, ASM=True),
-                                    attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
-    cubin = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps)).asm["cubin"]
-    usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
-    counts = max(loop_ops(tool("cuobjdump", cubin, "-sass")), key=lambda c: sum(c.values()))
-    per = 65536 / (32 * warps)
-    print(f"viterbi_half pass 2, MCG, sm_{arch}, Triton {triton.__version__}, {warps} warps: {usage.group(1)} "
-          f"registers, {usage.group(2)} B stack\n  step loop: {sum(counts.values()) / per:.2f} instructions per "
-          f"candidate ({', '.join(f'{op} {n / per:.2f}' for op, n in counts.most_common(10))})")
+    for K in (2, 3, 4):
+        fn = viterbi_half._forward_kernel if K == 2 else viterbi_half._forward_kernel_k
+        sig = {"tiles_ptr": "*fp32", "ends_ptr": "*i32", "bp_ptr": "*i32" if K == 2 else "*i16",
+               **({} if K == 2 else {"K": "constexpr"}), "CB": "constexpr", "WARMUP": "constexpr",
+               "PASS": "constexpr", "ASM": "constexpr"}
+        consts = dict(CB=1, WARMUP=128, PASS=2, ASM=True, **({} if K == 2 else {"K": K}))
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts,
+                                        attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
+        cubin = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps)).asm["cubin"]
+        usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
+        counts = max(loop_ops(tool("cuobjdump", cubin, "-sass")), key=lambda c: sum(c.values()))
+        per = 65536 / (32 * warps)
+        print(f"viterbi_half K={K} pass 2, MCG, sm_{arch}, Triton {triton.__version__}, {warps} warps: "
+              f"{usage.group(1)} registers, {usage.group(2)} B stack\n  step loop: {sum(counts.values()) / per:.2f} "
+              f"instructions per candidate ({', '.join(f'{op} {n / per:.2f}' for op, n in counts.most_common(10))})")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", type=int, default=90)
-    p.add_argument("--viterbi", action="store_true", help="the K = 2 Viterbi instead of the GEMM kernels")
+    p.add_argument("--viterbi", action="store_true", help="the fp16-pair Viterbi instead of the GEMM kernels")
     args = p.parse_args()
     if args.viterbi:
         return viterbi(args.arch)

@@ -37,8 +37,8 @@ def compare(K: int, codebook: str, device: str, nodes: int) -> None:
     assert torch.allclose(err_got, err_ref, rtol=1e-5, atol=1e-6), (err_got, err_ref)
 
 
-def compare_half(codebook: str, device: str, n: int, waves: bool) -> None:
-    """The fp16-pair kernel at K = 2: closed paths whose error is the reference's up to fp16 cost rounding
+def compare_half(K: int, codebook: str, device: str, n: int, waves: bool) -> None:
+    """The fp16-pair kernels: closed paths whose error is the reference's up to fp16 cost rounding
     (which moves single tiles by up to a few percent either way, the sum by far less), over several waves
     of tiles when `waves` (scratch for one program per SM at a time)."""
     from xmoe.format import check_tail_biting
@@ -46,9 +46,9 @@ def compare_half(codebook: str, device: str, n: int, waves: bool) -> None:
     from xmoe.quant.viterbi_triton import viterbi_triton
 
     tiles = _tiles(n, codebook, device, 7)
-    got = viterbi_triton(tiles, 2, codebook, **({"scratch_bytes": 1} if waves else {}))
-    assert check_tail_biting(got, 2)
-    err_ref, err_got = _errors(tiles, viterbi_torch(tiles, 2, codebook), codebook), _errors(tiles, got, codebook)
+    got = viterbi_triton(tiles, K, codebook, half=True, **({"scratch_bytes": 1} if waves else {}))
+    assert check_tail_biting(got, K)
+    err_ref, err_got = _errors(tiles, viterbi_torch(tiles, K, codebook), codebook), _errors(tiles, got, codebook)
     ratio = err_got / err_ref
     assert ratio.max() < 1.05, (ratio.max(), ratio.argmax())
     assert err_got.sum() / err_ref.sum() < 1.002, (err_got.sum(), err_ref.sum())
@@ -67,9 +67,10 @@ def test_interpreter_matches_reference(K, codebook):
     _interpret(f"compare({K}, {codebook!r}, 'cpu', 1 << 16)")
 
 
-def test_interpreter_half_matches_reference():
+@pytest.mark.parametrize("K,codebook,n", [(2, "mcg", 2), (3, "3inst", 1), (4, "mul1", 1)])
+def test_interpreter_half_matches_reference(K, codebook, n):
     pytest.importorskip("triton")
-    _interpret("compare_half('mcg', 'cpu', 2, True)")
+    _interpret(f"compare_half({K}, {codebook!r}, 'cpu', {n}, True)")
 
 
 @pytest.mark.gpu
@@ -81,9 +82,10 @@ def test_gpu_matches_reference(K, codebook):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("K", [2, 3, 4])
 @pytest.mark.parametrize("codebook", ["mcg", "mul1", "3inst"])
 @pytest.mark.parametrize("waves", [False, True])
-def test_gpu_half_matches_reference(codebook, waves):
+def test_gpu_half_matches_reference(K, codebook, waves):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    compare_half(codebook, "cuda", 300, waves)
+    compare_half(K, codebook, "cuda", 300, waves)

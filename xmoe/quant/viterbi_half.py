@@ -1,15 +1,18 @@
-"""The tail-biting Viterbi of viterbi.py at K = 2 with its state in registers: a program per tile, fp16 costs
-in pairs.
+"""The tail-biting Viterbi of viterbi.py at K = 2, 3, 4 with its state in registers: a program per tile, fp16
+costs in pairs.
 
-Node n (the low 14 bits of a state) at position q costs the min over k of err(k<<14 | n, w_q) plus the cost
-of node (k<<14 | n) >> 2 at q-1. Costs are fp16, two adjacent nodes to an int32 word (they share their
-predecessors), and the arithmetic is on such pairs in f16x2 PTX: per pair and k a subtract, a fused
+Node n (the low 16 - K bits of a state) at position q costs the min over k of err(k<<(16-K) | n, w_q) plus
+the cost of node (k<<(16-K) | n) >> K at q-1. Costs are fp16, two adjacent nodes to an int32 word (they share
+their predecessors), and the arithmetic is on such pairs in f16x2 PTX: per pair and k a subtract, a fused
 multiply-add (whose addend half ptxas selects in the operand), a compare, a min and a select. Each thread
 owns the same nodes at every step, so it evaluates the codebook for its 2^16 / threads states once and
 keeps the values in registers; per step only the new costs move between threads (the trellis shifts the
-node bits by two) and two bits of backpointer per node go to memory. fp16 costs are what exllamav3's
-encoder keeps too; its error is matched to within 1e-5 (docs/RESULTS.md).
+node bits by K) and K bits of backpointer per node go to memory. fp16 costs are what exllamav3's encoder
+keeps too; its error is matched to five digits (docs/RESULTS.md).
 
+Nodes come in groups of 2^(K+1) (2^K words) that share their predecessor words, one word per choice k. At
+K = 2 a group's four words are four tensors (the layout that compiles to the fewest instructions); at K = 3
+and 4 the words of a group with one k and one predecessor half are the columns of one tensor.
 Pass 1, its traceback, pass 2 and its traceback are four launches per wave of tiles.
 Without ASM (the interpreter) each pair op is unpacked to fp32 and rounded back to fp16.
 """
@@ -64,11 +67,11 @@ def _cost(v, w, prev, HI: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _better(best, arg, c, k: tl.constexpr, ASM: tl.constexpr):
     """Per half: where c < best, take c and choice k (ties keep the earlier, lower k)."""
-    if ASM:  # k * 0x10001 spelled out: the string must be a constant
+    if ASM:  # k in both halves: a constant, which ptxas puts into the lop3
         return tl.inline_asm_elementwise(
-            "{ .reg .b32 m; set.lt.u32.f16x2 m, $3, $2; min.f16x2 $0, $2, $3; lop3.b32 $1, m, "
-            + ("0x10001" if k == 1 else "0x20002" if k == 2 else "0x30003") + ", $4, 0xCA; }",
-            "=r,=r,r,r,r", [best, c, arg], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+            "{ .reg .b32 m; set.lt.u32.f16x2 m, $3, $2; min.f16x2 $0, $2, $3; lop3.b32 $1, m, $5, $4, 0xCA; }",
+            "=r,=r,r,r,r,r", [best, c, arg, tl.full(best.shape, k * 0x10001, tl.int32)], dtype=(tl.int32, tl.int32),
+            is_pure=True, pack=1)
     b0, b1 = _halves(best)
     c0, c1 = _halves(c)
     lt0, lt1 = c0 < b0, c1 < b1
@@ -135,11 +138,33 @@ def _next(n):
 
 
 @triton.jit
+def _closed(e, W: tl.constexpr):
+    """Flat words of pass 2's first costs: 0 at node e, inf at every other node."""
+    wid = tl.arange(0, W)
+    return tl.where(wid * 2 == e, INF2 & -65536, tl.where(wid * 2 + 1 == e, INF2 & 0xFFFF, INF2))
+
+
+@triton.jit
+def _cheapest(n, nodes):
+    """The node of least cost (the lowest on ties) among words n[i], whose low nodes are nodes[i]."""
+    least = tl.full([], float("inf"), tl.float32)
+    for i in tl.static_range(len(n)):
+        lo, hi = _halves(n[i])
+        least = tl.minimum(least, tl.minimum(tl.min(lo), tl.min(hi)))
+    e = tl.full([], 1 << 16, tl.int32)
+    for i in tl.static_range(len(n)):
+        lo, hi = _halves(n[i])
+        e = tl.minimum(e, tl.minimum(tl.min(tl.where(lo == least, nodes[i], 1 << 16)),
+                                     tl.min(tl.where(hi == least, nodes[i] + 1, 1 << 16))))
+    return e
+
+
+@triton.jit
 def _forward_kernel(tiles_ptr, ends_ptr, bp_ptr, CB: tl.constexpr, WARMUP: tl.constexpr, PASS: tl.constexpr,
                     ASM: tl.constexpr):
-    """PASS 1: free start WARMUP positions before the wrap, 2 WARMUP steps; the backpointers of the last
-    WARMUP and the cheapest final node (the lowest on ties) are kept. PASS 2: positions 0..255 from node
-    ends[t] at position 255, all backpointers kept."""
+    """K = 2. PASS 1: free start WARMUP positions before the wrap, 2 WARMUP steps; the backpointers of the
+    last WARMUP and the cheapest final node are kept. PASS 2: positions 0..255 from node ends[t] at position
+    255, all backpointers kept."""
     t = tl.program_id(0).to(tl.int64)
     tile = tiles_ptr + t * 256
     bp = bp_ptr + t * 256 * M2
@@ -151,9 +176,7 @@ def _forward_kernel(tiles_ptr, ends_ptr, bp_ptr, CB: tl.constexpr, WARMUP: tl.co
         o = (z, z, z, z)
         first, steps, kept = 256 - WARMUP, 2 * WARMUP, WARMUP
     else:
-        e = tl.load(ends_ptr + t)
-        wid = tl.arange(0, 8192)
-        o = _split4(tl.where(wid * 2 == e, INF2 & -65536, tl.where(wid * 2 + 1 == e, INF2 & 0xFFFF, INF2)))
+        o = _split4(_closed(tl.load(ends_ptr + t), 8192))
         first, steps, kept = 0, 256, 256
     n = o
     for i in range(steps):
@@ -163,45 +186,123 @@ def _forward_kernel(tiles_ptr, ends_ptr, bp_ptr, CB: tl.constexpr, WARMUP: tl.co
             tl.store(bp + (i - (steps - kept)) * M2 + at, packed)
         o = _next(n)
     if PASS == 1:
-        least = tl.full([], float("inf"), tl.float32)
-        for i in tl.static_range(4):
-            lo, hi = _halves(n[i])
-            least = tl.minimum(least, tl.minimum(tl.min(lo), tl.min(hi)))
-        e = tl.full([], 1 << 14, tl.int32)
-        for i in tl.static_range(4):
-            lo, hi = _halves(n[i])
-            node = m2 * 8 + 2 * i
-            e = tl.minimum(e, tl.minimum(tl.min(tl.where(lo == least, node, 1 << 14)),
-                                         tl.min(tl.where(hi == least, node + 1, 1 << 14))))
-        tl.store(ends_ptr + t, e)
+        tl.store(ends_ptr + t, _cheapest(n, (m2 * 8, m2 * 8 + 2, m2 * 8 + 4, m2 * 8 + 6)))
 
 
 @triton.jit
-def _trace_kernel(ends_ptr, bp_ptr, states_ptr, T, STEPS: tl.constexpr, STATES: tl.constexpr,
+def _trace_kernel(ends_ptr, bp_ptr, states_ptr, T, K: tl.constexpr, STEPS: tl.constexpr, STATES: tl.constexpr,
                   BLOCK: tl.constexpr):
     """From node ends[t] at the last of STEPS kept steps back to the first, BLOCK tiles per program: the
     states of every step (STATES, pass 2), or only the node before the first, back into ends (pass 1)."""
+    G: tl.constexpr = 1 << K
+    E: tl.constexpr = 2048 if K == 2 else (1 << (16 - K)) // 4  # backpointer elements per step
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = t < T
     e = tl.load(ends_ptr + t, mask=live, other=0)
-    bp = bp_ptr + t.to(tl.int64) * 256 * M2
+    bp = bp_ptr + t.to(tl.int64) * 256 * E
     for i in range(STEPS):
         q = STEPS - 1 - i
-        word = tl.load(bp + q * M2 + (e >> 3), mask=live, other=0)
-        s = (((word >> (((e >> 1) & 3) * 2 + (e & 1) * 16)) & 3) << 14) | e
+        if K == 2:  # an int32 per eight nodes
+            x = tl.load(bp + q * E + (e >> 3), mask=live, other=0)
+            off = ((e >> 1) & 3) * 2 + (e & 1) * 16
+        else:  # an int16 per (m2, j2)
+            x = tl.load(bp + q * E + (e >> (K + 1)) * (G // 2) + ((e & (G - 1)) >> 1), mask=live, other=0)
+            x = x.to(tl.int32) & 0xFFFF
+            off = (((e >> K) & 1) * 2 + (e & 1)) * K
+        s = (((x >> off) & (G - 1)) << (16 - K)) | e
         if STATES:
             tl.store(states_ptr + t * 256 + q, s, mask=live)
-        e = s >> 2
+        e = s >> K
     if not STATES:
         tl.store(ends_ptr + t, e, mask=live)
 
 
-def viterbi_half_triton(tiles: torch.Tensor, codebook: str, warmup: int = 128, scratch_bytes: int = 4 << 30,
-                        num_warps: int = 16) -> torch.Tensor:
-    """tiles: float32 (T, 256) -> int64 states (T, 256) of closed paths at K = 2, costs in fp16 pairs.
+@triton.jit
+def _codebook_k(K: tl.constexpr, CB: tl.constexpr):
+    """K = 3, 4: 2^(K+1) (M2, J2) tensors, [2 k + a][m2, j2] the word of states k<<(16-K) | ((2 m2 + a) 2^K
+    + 2 j2) and the next."""
+    G: tl.constexpr = 1 << K
+    base = tl.arange(0, (1 << (16 - K)) // (2 * G))[:, None] * (2 * G) + tl.arange(0, G // 2)[None, :] * 2
+    cb = ()
+    for i in tl.static_range(2 * G):
+        cb = cb + (_word((((i // 2) << (16 - K)) + base + (i % 2) * G).to(tl.uint32), CB),)
+    return cb
 
-    Tiles run in waves whose backpointers (2 MB a tile) fit in `scratch_bytes`, a whole number of programs
-    per SM so that no wave ends half empty."""
+
+@triton.jit
+def _split_k(flat, K: tl.constexpr):
+    """Flat words -> 2^K (M2,) tensors by k: words k * M2 + m2 (split one bit of k at a time)."""
+    G: tl.constexpr = 1 << K
+    M2: tl.constexpr = (1 << (16 - K)) // (2 * G)
+    x = tl.permute(tl.reshape(flat, (G, M2)), (1, 0))
+    x = tl.reshape(x, (M2, 2, 2, 2)) if K == 3 else tl.reshape(x, (M2, 2, 2, 2, 2))
+    parts = (x,)
+    for level in tl.static_range(K):
+        lows = ()
+        highs = ()
+        for i in tl.static_range(1 << level):
+            p0, p1 = tl.split(parts[i])
+            lows = lows + (p0,)
+            highs = highs + (p1,)
+        parts = lows + highs
+    return parts
+
+
+@triton.jit
+def _step_k(o, cb, w2, K: tl.constexpr, ASM: tl.constexpr):
+    """Costs o (2^K (M2,) words, by k) -> new words (two (M2, J2) tensors, by a) and the packed backpointers,
+    an int16 per (m2, j2): word (a, j2)'s low node at bit 2 a K, its high node at bit (2 a + 1) K."""
+    news = ()
+    packed = tl.zeros_like(cb[0])
+    for a in tl.static_range(2):
+        best = _cost(cb[a], w2, o[0][:, None], a == 1, ASM)
+        arg = tl.zeros_like(best)
+        for k in tl.static_range(1, 1 << K):
+            best, arg = _better(best, arg, _cost(cb[2 * k + a], w2, o[k][:, None], a == 1, ASM), k, ASM)
+        news = news + (best,)
+        packed = packed | ((arg & 0xFFFF) << (2 * a * K)) | (((arg >> 16) & 0xFFFF) << ((2 * a + 1) * K))
+    return news, packed.to(tl.int16)
+
+
+@triton.jit
+def _forward_kernel_k(tiles_ptr, ends_ptr, bp_ptr, K: tl.constexpr, CB: tl.constexpr, WARMUP: tl.constexpr,
+                      PASS: tl.constexpr, ASM: tl.constexpr):
+    """_forward_kernel at K = 3, 4."""
+    G: tl.constexpr = 1 << K
+    M2: tl.constexpr = (1 << (16 - K)) // (2 * G)
+    W: tl.constexpr = (1 << (16 - K)) // 2  # words
+    t = tl.program_id(0).to(tl.int64)
+    tile = tiles_ptr + t * 256
+    bp = bp_ptr + t * 256 * (M2 * G // 2)
+    at = tl.max_contiguous(tl.arange(0, M2)[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :], [1, 1])
+    cb = _codebook_k(K, CB)
+    if PASS == 1:
+        o = _split_k(tl.zeros([W], tl.int32), K)
+        first, steps, kept = 256 - WARMUP, 2 * WARMUP, WARMUP
+    else:
+        o = _split_k(_closed(tl.load(ends_ptr + t), W), K)
+        first, steps, kept = 0, 256, 256
+    z = tl.zeros([M2, G // 2], tl.int32)
+    n = (z, z)
+    for i in range(steps):
+        w = tl.load(tile + (first + i) % 256).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+        n, packed = _step_k(o, cb, (w & 0xFFFF) | (w << 16), K, ASM)
+        if i >= steps - kept:
+            tl.store(bp + (i - (steps - kept)) * (M2 * G // 2) + at, packed)
+        o = _split_k(tl.reshape(tl.permute(tl.join(n[0], n[1]), (0, 2, 1)), (W,)), K)  # [m2, a, j2] order
+    if PASS == 1:
+        base = tl.arange(0, M2)[:, None] * (2 * G) + tl.arange(0, G // 2)[None, :] * 2
+        tl.store(ends_ptr + t, _cheapest(n, (base, base + G)))
+
+
+def viterbi_half_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128,
+                        scratch_bytes: int = 4 << 30, num_warps: int = 16) -> torch.Tensor:
+    """tiles: float32 (T, 256) -> int64 states (T, 256) of closed paths at K = 2, 3 or 4, fp16 costs in pairs.
+
+    Tiles run in waves whose backpointers (2, 1 or 0.5 MB a tile) fit in `scratch_bytes`, a whole number of
+    programs per SM so that no wave ends half empty."""
+    if K not in (2, 3, 4):
+        raise ValueError(f"the fp16-pair Viterbi handles K = 2, 3, 4, not {K}")
     if tiles.dtype != torch.float32 or tiles.dim() != 2 or tiles.shape[1] != 256:
         raise ValueError(f"tiles must be float32 (T, 256), got {tiles.dtype} {tuple(tiles.shape)}")
     if not 1 <= warmup <= 128:
@@ -210,15 +311,17 @@ def viterbi_half_triton(tiles: torch.Tensor, codebook: str, warmup: int = 128, s
     T = tiles.shape[0]
     states = torch.empty(tiles.shape, dtype=torch.int32, device=tiles.device)
     ends = torch.empty(T, dtype=torch.int32, device=tiles.device)
+    per_step, dtype = (M2.value, torch.int32) if K == 2 else ((1 << (16 - K)) // 4, torch.int16)
     sms = torch.cuda.get_device_properties(tiles.device).multi_processor_count if tiles.is_cuda else 1
-    wave = max(sms, scratch_bytes // (256 * M2.value * 4) // sms * sms)
-    bp = torch.empty((min(wave, T), 256, M2.value), dtype=torch.int32, device=tiles.device)
+    wave = max(sms, scratch_bytes // (256 * per_step * dtype.itemsize) // sms * sms)
+    bp = torch.empty((min(wave, T), 256, per_step), dtype=dtype, device=tiles.device)
     cb, asm = CODEBOOKS.index(codebook), tiles.device.type == "cuda"
+    forward = _forward_kernel if K == 2 else _forward_kernel_k
     for a in range(0, T, wave):
         b = min(a + wave, T)
         for pass_, steps in ((1, warmup), (2, 256)):
-            _forward_kernel[(b - a,)](tiles[a:b], ends[a:b], bp, CB=cb, WARMUP=warmup, PASS=pass_, ASM=asm,
-                                      num_warps=num_warps)
-            _trace_kernel[(triton.cdiv(b - a, 32),)](ends[a:b], bp, states[a:b], b - a, STEPS=steps,
+            args = dict(CB=cb, WARMUP=warmup, PASS=pass_, ASM=asm, num_warps=num_warps)
+            forward[(b - a,)](tiles[a:b], ends[a:b], bp, **(args if K == 2 else dict(args, K=K)))
+            _trace_kernel[(triton.cdiv(b - a, 32),)](ends[a:b], bp, states[a:b], b - a, K=K, STEPS=steps,
                                                      STATES=pass_ == 2, BLOCK=32)
     return states.to(torch.int64)

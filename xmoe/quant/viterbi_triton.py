@@ -18,6 +18,7 @@ from .viterbi_half import viterbi_half_triton
 # Launch settings per K: (nodes per chunk, warps, codebook from a table), swept on an H200 (docs/RESULTS.md).
 TUNED = {2: (1024, 8, False), 3: (1024, 8, True), 4: (1024, 8, True)}
 DEFAULT = (2048, 8, False)
+HALF = (2, 3, 4)  # K where viterbi_half's kernels are the default
 
 
 @triton.jit
@@ -106,8 +107,8 @@ def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128
                    table: bool | None = None, half: bool | None = None) -> torch.Tensor:
     """tiles: float32 (T, 256) -> int64 states (T, 256); same algorithm as viterbi.viterbi_torch.
 
-    `half` (the default at K = 2) runs viterbi_half's kernel instead: fp16 costs in pairs, the codebook in
-    registers (2.4x faster on an H200). Otherwise programs take `nodes` nodes per chunk (a power of two; four
+    `half` (the default at K in HALF) runs viterbi_half's kernels instead: fp16 costs in pairs, the codebook
+    in registers (2.3-2.5x exllamav3's encoder at K = 2 on an H200). Otherwise programs take `nodes` nodes per chunk (a power of two; four
     or more per thread keeps every load and store in the thread's own layout, no shuffle through shared
     memory); tiles run in waves whose backpointers fit in `scratch_bytes` (256 bytes per node per tile). With `table` the codebook is read
     from a 256 KB fp32 table instead of evaluated in registers. Unset settings come from TUNED."""
@@ -119,11 +120,9 @@ def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128
         raise ValueError(f"warmup must be in 1..128, not {warmup}")
     K = int(K)
     if half is None:
-        half = K == 2
+        half = K in HALF
     if half:
-        if K != 2:
-            raise ValueError(f"the fp16-pair Viterbi handles K = 2 only, not {K}")
-        return viterbi_half_triton(tiles, codebook, warmup, scratch_bytes)
+        return viterbi_half_triton(tiles, K, codebook, warmup, scratch_bytes)
     tuned = TUNED.get(K, DEFAULT)
     nodes, num_warps, table = (tuned[i] if v is None else v for i, v in enumerate((nodes, num_warps, table)))
     all_nodes = 1 << (16 - K)
