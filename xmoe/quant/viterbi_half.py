@@ -100,11 +100,10 @@ def _word(s, CB: tl.constexpr):
 @triton.jit
 def _codebook(m2, CB: tl.constexpr):
     """16 (M2,) tensors, [4 k + i]: the words of states k<<14 | (8 m2 + 2 i) and the next."""
-    s = (m2 * 8).to(tl.uint32)
-    return (_word(s, CB), _word(s + 2, CB), _word(s + 4, CB), _word(s + 6, CB),
-            _word(s + 16384, CB), _word(s + 16386, CB), _word(s + 16388, CB), _word(s + 16390, CB),
-            _word(s + 32768, CB), _word(s + 32770, CB), _word(s + 32772, CB), _word(s + 32774, CB),
-            _word(s + 49152, CB), _word(s + 49154, CB), _word(s + 49156, CB), _word(s + 49158, CB))
+    cb = ()
+    for i in tl.static_range(16):
+        cb = cb + (_word(((i // 4) * 16384 + m2 * 8 + (i % 4) * 2).to(tl.uint32), CB),)
+    return cb
 
 
 @triton.jit
