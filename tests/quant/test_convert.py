@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from checkpoints import save_deepseek_native, save_fused_qwen3, save_hf
+from checkpoints import fp8_with_scale, save_deepseek_native, save_fused_qwen3, save_hf
 from xmoe.format import decode_weight
 from xmoe.quant.convert import PARTIAL, REPORT, convert, load_expert
 from xmoe.quant.experts import find_experts
 from xmoe.quant.plan import INDEX, ConvertOptions, make_plan, read_source
+from xmoe.quant.source import dequantize
 from xmoe.quant.st_io import CheckpointError, copy_chunks, read_header
 
 pytest.importorskip("transformers")
@@ -77,6 +78,25 @@ def test_deepseek_native_mxfp4_fp8_engram_mtp(tmp_path):
                  "layers.2.ffn.experts.0.w1.scale", "layers.0.attn.wq.scale", "layers.0.ffn.gate.bias"):
         assert kept in after
     assert "layers.0.ffn.experts.0.w1.scale" not in after
+
+
+@pytest.mark.gpu
+def test_gpu_dequantize_matches_cpu(tmp_path):
+    """Workers dequantize sources on their GPU: the same fp32 weights as on the CPU (which the CPU tests check
+    against the source), for MXFP4 experts and FP8 blocks with fp32 and e8m0 scales."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    src = save_deepseek_native(tmp_path / "src")
+    plan = make_plan(src, BEAM)
+    shard_of = {t.name: s for s, ts in plan.shards.items() for t in ts}
+    for p in plan.experts:
+        cpu, gpu = (load_expert(src, shard_of[p.source], p, device) for device in ("cpu", "cuda"))
+        assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu), p.key
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(0))
+    for e8m0 in (False, True):
+        t = fp8_with_scale(w, 32, e8m0)
+        cpu = dequantize(t["weight"], t["scale"], "w")
+        assert torch.equal(dequantize(t["weight"].cuda(), t["scale"].cuda(), "w").cpu(), cpu)
 
 
 def test_fused_experts_split_per_expert(tmp_path):

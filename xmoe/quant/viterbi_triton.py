@@ -108,10 +108,11 @@ def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128
     """tiles: float32 (T, 256) -> int64 states (T, 256); same algorithm as viterbi.viterbi_torch.
 
     `half` (the default at K in HALF) runs viterbi_half's kernels instead: fp16 costs in pairs, the codebook
-    in registers (2.3-2.5x exllamav3's encoder at K = 2 on an H200). Otherwise programs take `nodes` nodes per chunk (a power of two; four
-    or more per thread keeps every load and store in the thread's own layout, no shuffle through shared
-    memory); tiles run in waves whose backpointers fit in `scratch_bytes` (256 bytes per node per tile). With `table` the codebook is read
-    from a 256 KB fp32 table instead of evaluated in registers. Unset settings come from TUNED."""
+    in registers (2.0-2.5x exllamav3's encoder on an H200). Otherwise programs take `nodes` nodes per chunk (a
+    power of two; four or more per thread keeps every load and store in the thread's own layout, no shuffle
+    through shared memory); tiles run in waves whose backpointers fit in `scratch_bytes` (256 bytes per node
+    per tile). With `table` the codebook is read from a 256 KB fp32 table instead of evaluated in registers.
+    Unset settings come from TUNED."""
     if not float(K).is_integer() or not 1 <= K <= 8:
         raise ValueError(f"the Triton Viterbi handles integer K 1..8, not {K}")
     if tiles.dtype != torch.float32 or tiles.dim() != 2 or tiles.shape[1] != 256:
