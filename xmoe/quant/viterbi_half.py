@@ -37,7 +37,7 @@ def _halves(x):
 
 @triton.jit
 def _pair(lo, hi):
-    """Two fp32 values rounded to fp16 and packed into a word, lo in the low half."""
+    """Two values rounded to fp16 (exact for fp16 ones) and packed into a word, lo in the low half."""
     lo = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi = hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
     return lo | (hi << 16)
@@ -80,6 +80,13 @@ def _better(best, arg, c, k: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _weight(tile, q):
+    """Position q's weight of the tile as an fp16 pair (both halves)."""
+    w = tl.load(tile + q)
+    return _pair(w, w)
+
+
+@triton.jit
 def _split4(flat):
     """Flat words (8192,) -> four (M2,) tensors: choice k's predecessors, words k * M2 + m2."""
     x = tl.reshape(tl.permute(tl.reshape(flat, (4, 2048)), (1, 0)), (2048, 2, 2))
@@ -92,9 +99,7 @@ def _split4(flat):
 @triton.jit
 def _word(s, CB: tl.constexpr):
     """Words of the values of states s (low half) and s + 1 (high half)."""
-    lo = codebook_fp16(s, CB).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi = codebook_fp16(s + 1, CB).to(tl.int16, bitcast=True).to(tl.int32)
-    return lo | (hi << 16)
+    return _pair(codebook_fp16(s, CB), codebook_fp16(s + 1, CB))
 
 
 @triton.jit
@@ -179,8 +184,7 @@ def _forward_kernel(tiles_ptr, ends_ptr, bp_ptr, CB: tl.constexpr, WARMUP: tl.co
         first, steps, kept = 0, 256, 256
     n = o
     for i in range(steps):
-        w = tl.load(tile + (first + i) % 256).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-        n, packed = _step(o, cb, (w & 0xFFFF) | (w << 16), ASM)
+        n, packed = _step(o, cb, _weight(tile, (first + i) % 256), ASM)
         if i >= steps - kept:
             tl.store(bp + (i - (steps - kept)) * M2 + at, packed)
         o = _next(n)
@@ -194,7 +198,7 @@ def _trace_kernel(ends_ptr, bp_ptr, states_ptr, T, K: tl.constexpr, STEPS: tl.co
     """From node ends[t] at the last of STEPS kept steps back to the first, BLOCK tiles per program: the
     states of every step (STATES, pass 2), or only the node before the first, back into ends (pass 1)."""
     G: tl.constexpr = 1 << K
-    E: tl.constexpr = 2048 if K == 2 else (1 << (16 - K)) // 4  # backpointer elements per step
+    E: tl.constexpr = M2 if K == 2 else (1 << (16 - K)) // 4  # backpointer elements per step
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = t < T
     e = tl.load(ends_ptr + t, mask=live, other=0)
@@ -284,14 +288,21 @@ def _forward_kernel_k(tiles_ptr, ends_ptr, bp_ptr, K: tl.constexpr, CB: tl.const
     z = tl.zeros([M2, G // 2], tl.int32)
     n = (z, z)
     for i in range(steps):
-        w = tl.load(tile + (first + i) % 256).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-        n, packed = _step_k(o, cb, (w & 0xFFFF) | (w << 16), K, ASM)
+        n, packed = _step_k(o, cb, _weight(tile, (first + i) % 256), K, ASM)
         if i >= steps - kept:
             tl.store(bp + (i - (steps - kept)) * (M2 * G // 2) + at, packed)
         o = _split_k(tl.reshape(tl.permute(tl.join(n[0], n[1]), (0, 2, 1)), (W,)), K)  # [m2, a, j2] order
     if PASS == 1:
         base = tl.arange(0, M2)[:, None] * (2 * G) + tl.arange(0, G // 2)[None, :] * 2
         tl.store(ends_ptr + t, _cheapest(n, (base, base + G)))
+
+
+def check_tiles(tiles: torch.Tensor, warmup: int) -> None:
+    """The Viterbi launchers' argument checks: float32 (T, 256) tiles, warmup 1..128."""
+    if tiles.dtype != torch.float32 or tiles.dim() != 2 or tiles.shape[1] != 256:
+        raise ValueError(f"tiles must be float32 (T, 256), got {tiles.dtype} {tuple(tiles.shape)}")
+    if not 1 <= warmup <= 128:
+        raise ValueError(f"warmup must be in 1..128, not {warmup}")
 
 
 def viterbi_half_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128,
@@ -302,10 +313,7 @@ def viterbi_half_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int 
     programs per SM so that no wave ends half empty."""
     if K not in (2, 3, 4):
         raise ValueError(f"the fp16-pair Viterbi handles K = 2, 3, 4, not {K}")
-    if tiles.dtype != torch.float32 or tiles.dim() != 2 or tiles.shape[1] != 256:
-        raise ValueError(f"tiles must be float32 (T, 256), got {tiles.dtype} {tuple(tiles.shape)}")
-    if not 1 <= warmup <= 128:
-        raise ValueError(f"warmup must be in 1..128, not {warmup}")
+    check_tiles(tiles, warmup)
     tiles = tiles.contiguous()
     T = tiles.shape[0]
     states = torch.empty(tiles.shape, dtype=torch.int32, device=tiles.device)

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..format.codebook import CODEBOOKS, codebook_table
 from ..kernels.triton_exl3 import codebook_fp16
-from .viterbi_half import viterbi_half_triton
+from .viterbi_half import check_tiles, viterbi_half_triton
 
 # Launch settings per K: (nodes per chunk, warps, codebook from a table), swept on an H200 (docs/RESULTS.md).
 TUNED = {2: (1024, 8, False), 3: (1024, 8, True), 4: (1024, 8, True)}
@@ -115,10 +115,7 @@ def viterbi_triton(tiles: torch.Tensor, K: int, codebook: str, warmup: int = 128
     Unset settings come from TUNED."""
     if not float(K).is_integer() or not 1 <= K <= 8:
         raise ValueError(f"the Triton Viterbi handles integer K 1..8, not {K}")
-    if tiles.dtype != torch.float32 or tiles.dim() != 2 or tiles.shape[1] != 256:
-        raise ValueError(f"tiles must be float32 (T, 256), got {tiles.dtype} {tuple(tiles.shape)}")
-    if not 1 <= warmup <= 128:
-        raise ValueError(f"warmup must be in 1..128, not {warmup}")
+    check_tiles(tiles, warmup)
     K = int(K)
     if half is None:
         half = K in HALF
