@@ -255,8 +255,11 @@ def main():
                    help="regimes whose tiled launches multiply W^T a^T (ops.SWAP_AB)")
     p.add_argument("--gemv-rows", type=float, default=ops.GEMV_ROWS,
                    help="rows per chunk up to which tiled launches take grouped_gemv (ops.GEMV_ROWS; 0: never)")
+    p.add_argument("--dense-rows", type=int, default=ops.DENSE_ROWS,
+                   help="rows from which an expert is decoded once and multiplied densely (ops.DENSE_ROWS)")
     p.add_argument("--json")
     args = p.parse_args()
+    ops.DENSE_ROWS = args.dense_rows
     ops.DECODER, ops.SWAP_AB, ops.GEMV_ROWS = args.decoder, set(args.swap), args.gemv_rows
     if args.fill and not args.sweep:
         ops.FILL = dict.fromkeys(ops.FILL, args.fill[0])

@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from cases import random_experts, random_weight, routing  # noqa: E402
 
+from xmoe.format.trellis import decode_inner  # noqa: E402
 from xmoe.kernels import ops  # noqa: E402
 from xmoe.kernels.reference import exl3_linear_ref, fused_moe_ref  # noqa: E402
 
@@ -107,6 +108,26 @@ def test_gemv_interpreter():
     calls = [f"check_linear(*{c}, 'cpu')" for c in linear] + [f"check_moe(**{c}, device='cpu')" for c in SMALL_MOE]
     run_interpreted("\n".join(["ops.GEMV_ROWS = float('inf')", *calls, "ops.TUNED['gemv', True] = (2, 32, 32, 2, 1)",
                                 *calls[-2:], "ops.TUNED['gemv', True] = (1, 32, 32, 2, 1)", *calls[-2:]]))
+
+
+def check_decode(k, n, K, codebook, device):
+    """decode_experts is bit-exact with the format's decode, for the experts asked for, in that order."""
+    w = random_weight(k, n, K, codebook, experts=3, seed=k + n, device=device)
+    got = ops.decode_experts(w, torch.tensor([2, 0], dtype=torch.int32, device=device))
+    for i, e in enumerate((2, 0)):
+        assert torch.equal(got[i].cpu(), decode_inner(w.trellis[e].cpu(), K, codebook)), f"K={K} {codebook}"
+
+
+def test_dense_path_interpreter():
+    """Experts with at least ops.DENSE_ROWS rows (here 3; 1 for the second MoE: every expert) decoded once and
+    multiplied densely, beside the grouped kernels for the rest; a dense linear layer; every K and decoder."""
+    pytest.importorskip("triton")
+    decode = [f"check_decode(256, 128, {K}, {cb!r}, 'cpu')" for K, cb in ((1, "mcg"), (2, "3inst"), (3, "mul1"),
+                                                                         (4, "mcg"), (8, "mul1"))]
+    moe = [dict(SMALL_MOE[1], M=9), dict(SMALL_MOE[2], M=9), SMALL_MOE[3]]
+    run_interpreted("\n".join(["ops.DENSE_ROWS = 3", *decode, *(f"check_moe(**{c}, device='cpu')" for c in moe),
+                               *(f"check_linear(*{c}, 'cpu')" for c in SMALL_LINEAR), "ops.DENSE_ROWS = 1",
+                               f"check_moe(**{SMALL_MOE[0]}, device='cpu')"]))
 
 
 def test_gemv_plan():
@@ -212,6 +233,21 @@ def test_moe_cuda_graph_replay_equals_eager():
         ids.copy_(new_ids), weights.copy_(new_w), x.normal_()
         graph.replay()
         assert torch.equal(out, ops.fused_moe(x, ids, weights, experts, backend="triton"))
+
+
+@pytest.mark.gpu
+def test_dense_path_gpu(monkeypatch):
+    """decode_experts bit-exact at every K and codebook; every expert taken densely (DENSE_ROWS 1) on MoE cases."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    for K, cb in ((1, "mcg"), (2, "mcg"), (2, "3inst"), (3, "mul1"), (4, "mcg"), (8, "mul1")):
+        check_decode(1024, 384, K, cb, "cuda")
+    monkeypatch.setattr(ops, "DENSE_ROWS", 1)
+    for case in GPU_MOE[::7] + GPU_LINEAR[::5]:
+        if isinstance(case, dict):
+            check_moe(**case, device="cuda")
+        else:
+            check_linear(*case, "cuda")
 
 
 def test_row_chunks_kept_per_shape():

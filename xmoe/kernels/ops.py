@@ -86,6 +86,11 @@ TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32,
          ("prefill", True): (64, 64, 128, 4, 1)}
 
 
+# An expert with at least this many rows in one call (prefill) is decoded to fp16 once and multiplied by the
+# torch matmul, instead of being decoded again for every chunk of rows; DENSE_GROUP experts are decoded per launch.
+DENSE_ROWS = 128
+DENSE_GROUP = 8
+EPILOGUE_SMALL = 256  # rows up to which the prologue and epilogues take 16 rows a program (epilogue_rows)
 ROUTE_SLOTS = 128  # route() takes one Triton launch (triton_route) up to this many slots: (slots)^2 comparisons
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
 # finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16).
@@ -130,6 +135,12 @@ CODEBOOK_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
 MASK_8FFF = 0x8FFF8FFF - (1 << 32)  # the codebooks' mask as an int32 argument of grouped_gemv
 
 
+def epilogue_rows(rows: int) -> int:
+    """Rows per program of the rotation prologue and the epilogues: each program reads the 32 KB Hadamard
+    matrix, so many rows take 64 a program (at 16, prefill spent more on those reads than on its rows)."""
+    return 16 if rows <= EPILOGUE_SMALL else 64
+
+
 def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int, launch: Launch):
     """Rotated inputs (P, k): H_128 (x[rows[pos]] * suh[expert[pos]]), and the same with second's suh; fp16
     for tensor cores, fp32 for grouped_gemv (no conversion in its inner loop)."""
@@ -137,9 +148,10 @@ def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int, l
     a0 = torch.empty(P, w.k, device=x.device, dtype=_act_dtype(launch))
     a1 = torch.empty_like(a0) if second is not None else a0
     stride_se = w.suh.shape[-1] if w.experts else 0
-    rotate_rows[(-(-P // 16), w.k // 128)](x, x.stride(0), rows, expert, w.suh, (second or w).suh, a0, a1,
+    BM = epilogue_rows(P)
+    rotate_rows[(-(-P // BM), w.k // 128)](x, x.stride(0), rows, expert, w.suh, (second or w).suh, a0, a1,
                                            _had(str(x.device)), P, w.k, max(w.experts, 1), stride_se,
-                                           DUAL=second is not None, BM=16)
+                                           DUAL=second is not None, BM=BM)
     return a0, a1
 
 
@@ -171,6 +183,76 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
                        BM=launch.BM, BN=launch.BN, BK=launch.BK, SPLIT=launch.split, TILED=tiled,
                        KLOG=int(w.K).bit_length() - 1 if tiled else 1, SWAP=tiled and launch.swap,
                        num_warps=launch.warps, num_stages=launch.stages)
+
+
+def decode_experts(w: Exl3Weight, ids: torch.Tensor) -> torch.Tensor:
+    """(len(ids), k, n) fp16: the decoded weights W-hat (before the Hadamards and scales) of experts `ids`
+    (int32, on w's device; [0] for a single layer)."""
+    from .triton_exl3 import decode_weights
+    words = w.trellis.view(torch.int32)
+    tiled = DECODER == "tiled" and w.K in (1, 2, 4, 8)
+    out = torch.empty(len(ids), w.k, w.n, device=words.device, dtype=torch.float16)
+    BK, BN = 32, 128  # the fastest of six block shapes on an H200 (5120 x 5120: 30 us, 64 x 64: 41 us)
+    decode_weights[(w.k // BK, w.n // BN, len(ids))](
+        words, ids, _windows(w.K, str(words.device)), out, w.k, w.n, words[0].numel() if w.experts else 0,
+        W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], BK=BK, BN=BN, TILED=tiled,
+        KLOG=int(w.K).bit_length() - 1 if tiled else 1)
+    return out
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ b in fp32 from fp16 weights and fp16 or fp32 rows (fp32 accumulation, as the Triton kernels)."""
+    if a.is_cuda and a.dtype == b.dtype:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def _dense_products(hot: list, a0, a1, w: Exl3Weight, second: Exl3Weight | None, p0, p1) -> None:
+    """For each hot expert (e, start, rows), whose rows are the sorted positions start .. start+rows-1:
+    p[0, rows] = a[rows] @ W-hat_e (and p1 from a1 and `second`), the other K splits zeroed, as the epilogues
+    sum them. One matmul per expert and projection: eager launches are most of the cost of a small expert."""
+    if not hot:
+        return
+    pairs = [(a0, w, p0)] + ([(a1, second, p1)] if second is not None else [])
+    for i in range(0, len(hot), DENSE_GROUP):
+        group = hot[i:i + DENSE_GROUP]
+        ids = torch.tensor([e for e, _, _ in group], dtype=torch.int32).to(a0.device, non_blocking=True)
+        for a, wt, p in pairs:
+            dense = decode_experts(wt, ids)
+            for j, (_, start, rows) in enumerate(group):
+                _mm32(a[start:start + rows], dense[j], p[0, start:start + rows])
+    if p0.shape[0] > 1:
+        rows = torch.cat([torch.arange(start, start + n) for _, start, n in hot]).to(a0.device)
+        for _, _, p in pairs:
+            p[1:, rows] = 0
+
+
+def _hot_experts(topk_ids: torch.Tensor, experts: int, expert_map: torch.Tensor | None) -> list:
+    """(local expert, first sorted position, rows) of the experts with at least DENSE_ROWS rows. Reads the
+    counts back to the host: only for calls of at least DENSE_ROWS tokens, never inside a CUDA-graph capture."""
+    local = (topk_ids if expert_map is None else expert_map[topk_ids.long()]).reshape(-1).long()
+    counts = torch.bincount(local[local >= 0], minlength=experts).tolist()
+    starts = [0]
+    for c in counts[:-1]:
+        starts.append(starts[-1] + c)
+    return [(e, starts[e], c) for e, c in enumerate(counts) if c >= DENSE_ROWS]
+
+
+def _without(chunks: tuple, hot: list, experts: int) -> tuple:
+    """The chunk table without the hot experts' chunks (those go to _dense_products), on the device."""
+    pos, length, expert, count, bound = chunks
+    is_hot = torch.zeros(experts + 1, dtype=torch.bool, device=pos.device)
+    is_hot[[e for e, _, _ in hot]] = True
+    keep = (torch.arange(bound + 1, device=pos.device) < count) & ~is_hot[expert.long().clamp(0, experts)]
+    order = torch.argsort((~keep).int(), stable=True)
+    return pos[order], length[order], expert[order], keep.sum().int().reshape(1), bound
+
+
+def _dense_call(M: int, device: torch.device) -> bool:
+    """Whether a call of M rows may read routing counts back (_hot_experts): only prefill-sized calls, and never
+    while a CUDA graph is being captured."""
+    return M >= DENSE_ROWS and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _padded_rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -216,13 +298,18 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     launch = plan(-(-M // 16), w.n, w.k, M, _sms(x.device), w.K)
     dev = x.device
     chunks, rows, zeros = _row_chunks(M, launch.BM, dev)
-    part = torch.empty(launch.split, M, w.n, device=dev, dtype=torch.float32)
     a0, _ = _rotate(a, rows, zeros, w, None, M, launch)
-    _gemm(a0, a0, chunks, w, part, None, None, launch)
+    if _dense_call(M, dev):  # decoded once for all rows
+        part = torch.empty(1, M, w.n, device=dev, dtype=torch.float32)
+        _mm32(a0, decode_experts(w, zeros[:1])[0], part[0])
+    else:
+        part = torch.empty(launch.split, M, w.n, device=dev, dtype=torch.float32)
+        _gemm(a0, a0, chunks, w, part, None, None, launch)
     out = torch.empty(M, w.out_features, device=dev, dtype=x.dtype)
-    linear_epilogue[(-(-M // 16), w.n // 128)](part, w.svh, bias if bias is not None else w.svh, out, _had(str(dev)),
+    BM = epilogue_rows(M)
+    linear_epilogue[(-(-M // BM), w.n // 128)](part, w.svh, bias if bias is not None else w.svh, out, _had(str(dev)),
                                                M, w.n, w.out_features, HAS_BIAS=bias is not None,
-                                               SPLIT=launch.split, BM=16)
+                                               SPLIT=part.shape[0], BM=BM)
     return out.reshape(*x.shape[:-1], w.out_features)
 
 
@@ -321,19 +408,25 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, gemv=False)
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
+    hot = _hot_experts(topk_ids, E, expert_map) if _dense_call(M, dev) else []
+    chunks = _without(r.chunks, hot, E) if hot else r.chunks
     a = _padded_rows(x, g.k)
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
     pu = torch.empty_like(pg)
     a0, a1 = _rotate(a, r.rows, r.sorted_expert, g, experts.up, P, up_launch)
-    _gemm(a0, a1, r.chunks, g, pg, pu, experts.up, up_launch)
+    _gemm(a0, a1, chunks, g, pg, pu, experts.up, up_launch)
+    _dense_products(hot, a0, a1, g, experts.up, pg, pu)
     mid = torch.empty(P, g.n, device=dev, dtype=_act_dtype(down_launch))
-    act_epilogue[(-(-P // 16), g.n // 128)](pg, pu, r.sorted_expert, g.svh, experts.up.svh, d.suh, _had(str(dev)),
+    BM = epilogue_rows(P)
+    act_epilogue[(-(-P // BM), g.n // 128)](pg, pu, r.sorted_expert, g.svh, experts.up.svh, d.suh, _had(str(dev)),
                                             mid, P, g.n, experts.intermediate, E, float(limit or 0.0),
-                                            HAS_LIMIT=limit is not None, SPLIT=up_launch.split, BM=16)
+                                            HAS_LIMIT=limit is not None, SPLIT=up_launch.split, BM=BM)
     pd = torch.empty(down_launch.split, P, d.n, device=dev, dtype=torch.float32)
-    _gemm(mid, mid, r.chunks, d, pd, None, None, down_launch)
+    _gemm(mid, mid, chunks, d, pd, None, None, down_launch)
+    _dense_products(hot, mid, None, d, None, pd, None)
     out = torch.empty(M, experts.hidden, device=dev, dtype=x.dtype)
-    combine_epilogue[(-(-M // 16), d.n // 128)](pd, r.slot_pos, r.slot_expert, topk_weights.reshape(-1), d.svh,
+    BM = epilogue_rows(M)
+    combine_epilogue[(-(-M // BM), d.n // 128)](pd, r.slot_pos, r.slot_expert, topk_weights.reshape(-1), d.svh,
                                                 _had(str(dev)), out, M, P, d.n, experts.hidden, TOPK=top_k,
-                                                SPLIT=down_launch.split, BM=16)
+                                                SPLIT=down_launch.split, BM=BM)
     return out

@@ -13,7 +13,8 @@ while the current one is decoded, and spreads them over the tile by reshape, per
 funnel shift and the codebook arithmetic (format/codebook.py) give fp16 weights. The gather one (every K)
 loads two words per weight, at offsets and shifts from a 256-entry table per K (format.state_windows).
 At decode sizes the product can be taken as W^T a^T (SWAP), the decoded weights being the MMA's wide operand;
-at about one row per expert triton_gemv's CUDA-core kernel takes over.
+at about one row per expert triton_gemv's CUDA-core kernel takes over. For calls where an expert has many rows,
+decode_weights writes its weights out once, for a dense matmul.
 """
 import triton
 import triton.language as tl
@@ -321,3 +322,25 @@ def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr,
         acc += y * w[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * n_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(rows < M)[:, None] & (cols < n_out)[None, :])
+
+
+@triton.jit
+def decode_weights(t_ptr, expert_ptr, table_ptr, out_ptr, k, n, stride_te, W: tl.constexpr, CB: tl.constexpr,
+                   BK: tl.constexpr, BN: tl.constexpr, TILED: tl.constexpr, KLOG: tl.constexpr):
+    """out[i] = W-hat of expert expert[i] (program axis 2) as (k, n) fp16, one (BK, BN) block per program: the
+    weights of the experts many rows use, decoded once for a dense matmul. Decoders as in grouped_gemm."""
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    i = tl.program_id(2)
+    e = tl.load(expert_ptr + i).to(tl.int64)
+    base = t_ptr + e * stride_te + pid_k * ((BK // 16) * (n // 16) * W)
+    if TILED:
+        lo_off, hi_off, shift = tile_offsets(pid_n, n, W, KLOG, BK, BN)
+        lo, hi = load_words(base, lo_off, hi_off)
+        w = decode_tiles(lo, hi, shift, CB, KLOG, BK, BN)
+    else:
+        lo_off, hi_off, shift = gather_offsets(table_ptr, pid_n, n, W, BK, BN)
+        w = decode_block(base, lo_off, hi_off, shift, CB)
+    rows = (pid_k * BK + tl.arange(0, BK)).to(tl.int64)
+    cols = pid_n * BN + tl.arange(0, BN)
+    tl.store(out_ptr + i.to(tl.int64) * k * n + rows[:, None] * n + cols[None, :], w)
