@@ -8,6 +8,7 @@ import logging
 import os
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from itertools import accumulate
 
 import torch
 
@@ -233,9 +234,7 @@ def _hot_experts(topk_ids: torch.Tensor, experts: int, expert_map: torch.Tensor 
     counts back to the host: only for calls of at least DENSE_ROWS tokens, never inside a CUDA-graph capture."""
     local = (topk_ids if expert_map is None else expert_map[topk_ids.long()]).reshape(-1).long()
     counts = torch.bincount(local[local >= 0], minlength=experts).tolist()
-    starts = [0]
-    for c in counts[:-1]:
-        starts.append(starts[-1] + c)
+    starts = [0, *accumulate(counts[:-1])]  # sorted positions: local experts in ascending order
     return [(e, starts[e], c) for e, c in enumerate(counts) if c >= DENSE_ROWS]
 
 
@@ -250,8 +249,10 @@ def _without(chunks: tuple, hot: list, experts: int) -> tuple:
 
 
 def _dense_call(M: int, device: torch.device) -> bool:
-    """Whether a call of M rows may read routing counts back (_hot_experts): only prefill-sized calls, and never
-    while a CUDA graph is being captured."""
+    """Whether a call of M rows may take the dense path (and read routing counts back, _hot_experts): only
+    prefill-sized calls, never while a CUDA graph is being captured or torch.compile traces the call."""
+    if torch.compiler.is_compiling():
+        return False
     return M >= DENSE_ROWS and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
