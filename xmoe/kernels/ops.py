@@ -229,10 +229,10 @@ def _dense_products(hot: list, a0, a1, w: Exl3Weight, second: Exl3Weight | None,
             p[1:, rows] = 0
 
 
-def _hot_experts(topk_ids: torch.Tensor, experts: int, expert_map: torch.Tensor | None) -> list:
+def _hot_experts(r: "Routing", experts: int) -> list:
     """(local expert, first sorted position, rows) of the experts with at least DENSE_ROWS rows. Reads the
     counts back to the host: only for calls of at least DENSE_ROWS tokens, never inside a CUDA-graph capture."""
-    local = (topk_ids if expert_map is None else expert_map[topk_ids.long()]).reshape(-1).long()
+    local = r.slot_expert.long()
     counts = torch.bincount(local[local >= 0], minlength=experts).tolist()
     starts = [0, *accumulate(counts[:-1])]  # sorted positions: local experts in ascending order
     return [(e, starts[e], c) for e, c in enumerate(counts) if c >= DENSE_ROWS]
@@ -409,7 +409,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, gemv=False)
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
-    hot = _hot_experts(topk_ids, E, expert_map) if _dense_call(M, dev) else []
+    hot = _hot_experts(r, E) if _dense_call(M, dev) else []
     chunks = _without(r.chunks, hot, E) if hot else r.chunks
     a = _padded_rows(x, g.k)
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
