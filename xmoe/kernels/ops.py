@@ -209,20 +209,29 @@ def _mm32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.mm(a.float(), b.float(), out=out)
 
 
+DENSE_TILE = (128, 128, 64, 8, 3)  # dense_gemm's BM, BN, BK, warps, stages
+
+
 def _dense_products(hot: list, a0, a1, w: Exl3Weight, second: Exl3Weight | None, p0, p1) -> None:
     """For each hot expert (e, start, rows), whose rows are the sorted positions start .. start+rows-1:
     p[0, rows] = a[rows] @ W-hat_e (and p1 from a1 and `second`), the other K splits zeroed, as the epilogues
-    sum them. One matmul per expert and projection: eager launches are most of the cost of a small expert."""
+    sum them. Per group of DENSE_GROUP experts and projection, one decode and one dense_gemm launch: a matmul
+    per expert made prefill host-bound (72 of them at 1,542 skewed tokens)."""
     if not hot:
         return
+    from .triton_exl3 import dense_gemm
+    BM, BN, BK, warps, stages = DENSE_TILE
     pairs = [(a0, w, p0)] + ([(a1, second, p1)] if second is not None else [])
     for i in range(0, len(hot), DENSE_GROUP):
         group = hot[i:i + DENSE_GROUP]
-        ids = torch.tensor([e for e, _, _ in group], dtype=torch.int32).to(a0.device, non_blocking=True)
+        chunks = [(start + s, min(BM, rows - s), j) for j, (_, start, rows) in enumerate(group)
+                  for s in range(0, rows, BM)]
+        table = torch.tensor([e for e, _, _ in group] + [v for c in zip(*chunks) for v in c], dtype=torch.int32)
+        table = table.to(a0.device, non_blocking=True)
+        ids, (pos, length, slot) = table[:len(group)], table[len(group):].view(3, -1)
         for a, wt, p in pairs:
-            dense = decode_experts(wt, ids)
-            for j, (_, start, rows) in enumerate(group):
-                _mm32(a[start:start + rows], dense[j], p[0, start:start + rows])
+            dense_gemm[(len(chunks), wt.n // BN)](a, decode_experts(wt, ids), pos, length, slot, p[0], wt.k, wt.n,
+                                                  BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
     if p0.shape[0] > 1:
         rows = torch.cat([torch.arange(start, start + n) for _, start, n in hot]).to(a0.device)
         for _, _, p in pairs:
