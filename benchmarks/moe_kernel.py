@@ -219,11 +219,11 @@ def sweep(experts, dev, tokens, grid, best_path=None, skew=False):
         Path(best_path).write_text(json.dumps({mode: cfg for cfg, t, mode in best.values()}))
 
 
-def profile(experts, dev, tokens):
+def profile(experts, dev, tokens, skew=False):
     """Per-kernel CUDA time of fused_moe (torch profiler, 20 eager calls): where a call's time goes."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
     for T in tokens:
-        ids, weights = routing(T, E, TOPK, False, seed=T, device=dev)
+        ids, weights = routing(T, E, TOPK, skew, seed=T, device=dev)
         x = torch.randn(T, H, device=dev, dtype=torch.half)
         ops.fused_moe(x, ids, weights, experts, backend="triton")
         torch.cuda.synchronize()
@@ -231,8 +231,12 @@ def profile(experts, dev, tokens):
             for _ in range(20):
                 ops.fused_moe(x, ids, weights, experts, backend="triton")
             torch.cuda.synchronize()
-        print(f"tokens {T}, uniform routing, per call:")
-        for ev in sorted(prof.key_averages(), key=lambda ev: -ev.device_time_total)[:12]:
+        events = prof.key_averages()
+        busy = sum(ev.self_device_time_total for ev in events) / 20
+        wall = time_eager(lambda: ops.fused_moe(x, ids, weights, experts, backend="triton")) * 1e6
+        print(f"tokens {T}, {'skewed' if skew else 'uniform'} routing, per call: eager {wall:.0f} us, "
+              f"GPU busy {busy:.0f} us")
+        for ev in sorted(events, key=lambda ev: -ev.device_time_total)[:12]:
             print(f"  {ev.device_time_total / 20:9.1f} us  {ev.count // 20:3d}x  {ev.key[:90]}")
 
 
@@ -248,7 +252,9 @@ def main():
                           ("stages", [1, 2, 3]), ("fill", None)):
         p.add_argument(f"--{name}", type=int, nargs="+", default=default, help=f"--sweep grid ({name})")
     p.add_argument("--best", help="--sweep: write the fastest setting per regime to this JSON file")
-    p.add_argument("--skewed", action="store_true", help="--sweep: time skewed routing (else uniform)")
+    p.add_argument("--skewed", action="store_true", help="--sweep, --profile: skewed routing (else uniform)")
+    p.add_argument("--dense-tile", type=int, nargs=5, default=ops.DENSE_TILE, metavar=("BM", "BN", "BK", "WARPS", "STAGES"),
+                   help="dense_gemm's launch (ops.DENSE_TILE)")
     p.add_argument("--tuned", help="JSON {\"gemv\": [BM, BK, BN, warps, stages], \"decode\": [...], \"prefill\": [...]} to use")
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
     p.add_argument("--swap", nargs="*", choices=("decode", "prefill"), default=sorted(ops.SWAP_AB),
@@ -259,7 +265,7 @@ def main():
                    help="rows from which an expert is decoded once and multiplied densely (ops.DENSE_ROWS)")
     p.add_argument("--json")
     args = p.parse_args()
-    ops.DENSE_ROWS = args.dense_rows
+    ops.DENSE_ROWS, ops.DENSE_TILE = args.dense_rows, tuple(args.dense_tile)
     ops.DECODER, ops.SWAP_AB, ops.GEMV_ROWS = args.decoder, set(args.swap), args.gemv_rows
     if args.fill and not args.sweep:
         ops.FILL = dict.fromkeys(ops.FILL, args.fill[0])
@@ -271,7 +277,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
     experts = random_experts(E, H, I, K, "mcg", device=dev)
     if args.profile:
-        profile(experts, dev, args.tokens)
+        profile(experts, dev, args.tokens, args.skewed)
         return
     if args.sweep:
         sweep(experts, dev, args.tokens, vars(args), args.best, args.skewed)

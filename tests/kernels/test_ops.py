@@ -128,8 +128,8 @@ def test_dense_path_interpreter():
     moe = [dict(SMALL_MOE[1], M=9), dict(SMALL_MOE[2], M=9), SMALL_MOE[3]]
     run_interpreted("\n".join(["ops.DENSE_ROWS = 3", *decode, *(f"check_moe(**{c}, device='cpu')" for c in moe),
                                *(f"check_linear(*{c}, 'cpu')" for c in SMALL_LINEAR), "ops.DENSE_ROWS = 1",
-                               f"check_moe(**{SMALL_MOE[0]}, device='cpu')", "ops.DENSE_TILE = (16, 128, 64, 4, 1)",
-                               f"check_moe(**{dict(SMALL_MOE[0], M=40, E=4)}, device='cpu')"]))
+                               f"check_moe(**{SMALL_MOE[0]}, device='cpu')", "ops.DENSE_TILE = (16, 256, 64, 4, 1)",
+                               f"check_moe(**{dict(SMALL_MOE[0], M=40, E=4, inter=384)}, device='cpu')"]))
 
 
 def test_gemv_plan():

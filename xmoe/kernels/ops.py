@@ -87,8 +87,9 @@ TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32,
          ("prefill", True): (64, 64, 128, 4, 1)}
 
 
-# An expert with at least this many rows in one call (prefill) is decoded to fp16 once and multiplied by the
-# torch matmul, instead of being decoded again for every chunk of rows; DENSE_GROUP experts are decoded per launch.
+# An expert with at least this many rows in one call (prefill) is decoded to fp16 once and multiplied by dense_gemm
+# (a dense layer: by the torch matmul), instead of being decoded again for every chunk of rows; DENSE_GROUP experts
+# are decoded per launch.
 DENSE_ROWS = 128
 DENSE_GROUP = 8
 EPILOGUE_SMALL = 256  # rows up to which the prologue and epilogues take 16 rows a program (epilogue_rows)
@@ -209,50 +210,75 @@ def _mm32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.mm(a.float(), b.float(), out=out)
 
 
-DENSE_TILE = (128, 128, 64, 8, 3)  # dense_gemm's BM, BN, BK, warps, stages
+DENSE_TILE = (128, 256, 64, 8, 3)  # dense_gemm's BM, BN, BK, warps, at most this many stages (H200 sweep)
 
 
-def _dense_products(hot: list, a0, a1, w: Exl3Weight, second: Exl3Weight | None, p0, p1) -> None:
-    """For each hot expert (e, start, rows), whose rows are the sorted positions start .. start+rows-1:
-    p[0, rows] = a[rows] @ W-hat_e (and p1 from a1 and `second`), the other K splits zeroed, as the epilogues
-    sum them. Per group of DENSE_GROUP experts and projection, one decode and one dense_gemm launch: a matmul
-    per expert made prefill host-bound (72 of them at 1,542 skewed tokens)."""
-    if not hot:
-        return
-    from .triton_exl3 import dense_gemm
+@lru_cache(maxsize=None)
+def _shared_memory(index: int) -> int:
+    from triton.runtime import driver
+    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def _dense_tile(device: torch.device) -> tuple:
+    """DENSE_TILE with as many pipeline stages as one program's shared memory holds (99 KB on sm_89/sm_120)."""
     BM, BN, BK, warps, stages = DENSE_TILE
-    pairs = [(a0, w, p0)] + ([(a1, second, p1)] if second is not None else [])
+    if device.type == "cuda":
+        stages = max(1, min(stages, _shared_memory(device.index or 0) // ((BM + BN) * BK * 2)))
+    return BM, BN, BK, warps, stages
+
+
+@dataclass(frozen=True)
+class Hot:
+    """The experts of a call with at least DENSE_ROWS rows: flags (experts + 1,) int32, 1 for hot, and per group
+    of DENSE_GROUP, (ids, pos, length, slot): the experts and dense_gemm's chunks (first sorted position, rows,
+    index in the group), all on the device. Made from one read of the counts and copied in one piece: a
+    copy from pageable host memory waits for the kernels queued before it, so a later copy would stall."""
+    flags: torch.Tensor
+    groups: list
+
+
+def _hot_experts(r: "Routing", experts: int, BM: int) -> Hot | None:
+    """The call's hot experts, None if there are none. Reads the counts back to the host: only for calls of at
+    least DENSE_ROWS tokens, never inside a CUDA-graph capture."""
+    counts = torch.bincount(r.slot_expert.long() + 1, minlength=experts + 1)[1:].tolist()  # -1: other ranks'
+    starts = [0, *accumulate(counts[:-1])]  # sorted positions: local experts in ascending order
+    hot = [(e, starts[e], c) for e, c in enumerate(counts) if c >= DENSE_ROWS]
+    if not hot:
+        return None
+    flags = [0] * (experts + 1)
+    for e, _, _ in hot:
+        flags[e] = 1
+    parts = [flags]
     for i in range(0, len(hot), DENSE_GROUP):
         group = hot[i:i + DENSE_GROUP]
         chunks = [(start + s, min(BM, rows - s), j) for j, (_, start, rows) in enumerate(group)
                   for s in range(0, rows, BM)]
-        table = torch.tensor([e for e, _, _ in group] + [v for c in zip(*chunks) for v in c], dtype=torch.int32)
-        table = table.to(a0.device, non_blocking=True)
-        ids, (pos, length, slot) = table[:len(group)], table[len(group):].view(3, -1)
+        parts += [[e for e, _, _ in group], *map(list, zip(*chunks))]
+    flat = torch.tensor([v for part in parts for v in part], dtype=torch.int32).to(r.slot_expert.device)
+    pieces = flat.split([len(part) for part in parts])
+    return Hot(pieces[0], [pieces[i:i + 4] for i in range(1, len(pieces), 4)])
+
+
+def _dense_products(hot: Hot | None, a0, a1, w: Exl3Weight, second: Exl3Weight | None, p0, p1) -> None:
+    """For each hot expert, p[0, rows] = a[rows] @ W-hat_e (and p1 from a1 and `second`) and the other K splits
+    zeroed, as the epilogues sum them. Per group and projection, one decode and one dense_gemm launch: a
+    matmul per expert made prefill host-bound (72 of them at 1,542 skewed tokens)."""
+    if hot is None:
+        return
+    from .triton_exl3 import dense_gemm
+    BM, BN, BK, warps, stages = _dense_tile(a0.device)
+    pairs = [(a0, w, p0)] + ([(a1, second, p1)] if second is not None else [])
+    for ids, pos, length, slot in hot.groups:
         for a, wt, p in pairs:
-            dense_gemm[(len(chunks), wt.n // BN)](a, decode_experts(wt, ids), pos, length, slot, p[0], wt.k, wt.n,
-                                                  BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
-    if p0.shape[0] > 1:
-        rows = torch.cat([torch.arange(start, start + n) for _, start, n in hot]).to(a0.device)
-        for _, _, p in pairs:
-            p[1:, rows] = 0
+            dense_gemm[(len(pos), -(-wt.n // BN))](a, decode_experts(wt, ids), pos, length, slot, p, p.shape[1], wt.k,
+                                               wt.n, SPLIT=p.shape[0], BM=BM, BN=BN, BK=BK, num_warps=warps,
+                                               num_stages=stages)
 
 
-def _hot_experts(r: "Routing", experts: int) -> list:
-    """(local expert, first sorted position, rows) of the experts with at least DENSE_ROWS rows. Reads the
-    counts back to the host: only for calls of at least DENSE_ROWS tokens, never inside a CUDA-graph capture."""
-    local = r.slot_expert.long()
-    counts = torch.bincount(local[local >= 0], minlength=experts).tolist()
-    starts = [0, *accumulate(counts[:-1])]  # sorted positions: local experts in ascending order
-    return [(e, starts[e], c) for e, c in enumerate(counts) if c >= DENSE_ROWS]
-
-
-def _without(chunks: tuple, hot: list, experts: int) -> tuple:
+def _without(chunks: tuple, hot: Hot, experts: int) -> tuple:
     """The chunk table without the hot experts' chunks (those go to _dense_products), on the device."""
     pos, length, expert, count, bound = chunks
-    is_hot = torch.zeros(experts + 1, dtype=torch.bool, device=pos.device)
-    is_hot[[e for e, _, _ in hot]] = True
-    keep = (torch.arange(bound + 1, device=pos.device) < count) & ~is_hot[expert.long().clamp(0, experts)]
+    keep = (torch.arange(bound + 1, device=pos.device) < count) & (hot.flags[expert.long().clamp(0, experts)] == 0)
     order = torch.argsort((~keep).int(), stable=True)
     return pos[order], length[order], expert[order], keep.sum().int().reshape(1), bound
 
@@ -418,7 +444,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, gemv=False)
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
-    hot = _hot_experts(r, E) if _dense_call(M, dev) else []
+    hot = _hot_experts(r, E, _dense_tile(dev)[0]) if _dense_call(M, dev) else None
     chunks = _without(r.chunks, hot, E) if hot else r.chunks
     a = _padded_rows(x, g.k)
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
