@@ -253,8 +253,8 @@ def main():
         p.add_argument(f"--{name}", type=int, nargs="+", default=default, help=f"--sweep grid ({name})")
     p.add_argument("--best", help="--sweep: write the fastest setting per regime to this JSON file")
     p.add_argument("--skewed", action="store_true", help="--sweep, --profile: skewed routing (else uniform)")
-    p.add_argument("--dense-tile", type=int, nargs=5, default=ops.DENSE_TILE, metavar=("BM", "BN", "BK", "WARPS", "STAGES"),
-                   help="dense_gemm's launch (ops.DENSE_TILE)")
+    p.add_argument("--dense-tile", type=int, nargs=5, default=ops.DENSE_TILE,
+                   metavar=("BM", "BN", "BK", "WARPS", "STAGES"), help="dense_gemm's launch (ops.DENSE_TILE)")
     p.add_argument("--tuned", help="JSON {\"gemv\": [BM, BK, BN, warps, stages], \"decode\": [...], \"prefill\": [...]} to use")
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
     p.add_argument("--swap", nargs="*", choices=("decode", "prefill"), default=sorted(ops.SWAP_AB),

@@ -240,7 +240,9 @@ class Hot:
 def _hot_experts(r: "Routing", experts: int, BM: int) -> Hot | None:
     """The call's hot experts, None if there are none. Reads the counts back to the host: only for calls of at
     least DENSE_ROWS tokens, never inside a CUDA-graph capture."""
-    counts = torch.bincount(r.slot_expert.long() + 1, minlength=experts + 1)[1:].tolist()  # -1: other ranks'
+    slot = r.slot_expert.long() + 1  # 0: other ranks' slots; a scatter, as bincount reads its maximum back too
+    counts = torch.zeros(experts + 1, dtype=torch.long, device=slot.device).scatter_add_(0, slot, torch.ones_like(slot))
+    counts = counts[1:].tolist()
     starts = [0, *accumulate(counts[:-1])]  # sorted positions: local experts in ascending order
     hot = [(e, starts[e], c) for e, c in enumerate(counts) if c >= DENSE_ROWS]
     if not hot:
