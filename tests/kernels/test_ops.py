@@ -120,16 +120,19 @@ def check_decode(k, n, K, codebook, device):
 
 def test_dense_path_interpreter():
     """Experts with at least ops.DENSE_ROWS rows (here 3; 1 for the second MoE: every expert) decoded once and
-    multiplied densely, beside the grouped kernels for the rest; a dense linear layer; every K and decoder; and
-    experts of more rows than one dense_gemm chunk (BM 16 here)."""
+    multiplied densely, beside the grouped kernels for the rest; a dense linear layer; every K and decoder; a
+    call whose few experts all go dense as the rest (DENSE_REST); experts of more rows than one dense_gemm chunk
+    (BM 16 here)."""
     pytest.importorskip("triton")
     decode = [f"check_decode(256, 128, {K}, {cb!r}, 'cpu')" for K, cb in ((1, "mcg"), (2, "3inst"), (3, "mul1"),
                                                                          (4, "mcg"), (8, "mul1"))]
     moe = [dict(SMALL_MOE[1], M=9), dict(SMALL_MOE[2], M=9), SMALL_MOE[3]]
-    run_interpreted("\n".join(["ops.DENSE_ROWS = 3", *decode, *(f"check_moe(**{c}, device='cpu')" for c in moe),
-                               *(f"check_linear(*{c}, 'cpu')" for c in SMALL_LINEAR), "ops.DENSE_ROWS = 1",
-                               f"check_moe(**{SMALL_MOE[0]}, device='cpu')", "ops.DENSE_TILE = (16, 256, 64, 4, 1)",
-                               f"check_moe(**{dict(SMALL_MOE[0], M=40, E=4, inter=384)}, device='cpu')"]))
+    run_interpreted("\n".join([
+        "ops.DENSE_ROWS, ops.DENSE_REST = 3, 0", *decode, *(f"check_moe(**{c}, device='cpu')" for c in moe),
+        *(f"check_linear(*{c}, 'cpu')" for c in SMALL_LINEAR), "ops.DENSE_ROWS = 1",
+        f"check_moe(**{SMALL_MOE[0]}, device='cpu')", "ops.DENSE_ROWS, ops.DENSE_REST = 3, 8",
+        f"check_moe(**{SMALL_MOE[1]}, device='cpu')", "ops.DENSE_ROWS, ops.DENSE_TILE = 1, (16, 256, 64, 4, 1)",
+        f"check_moe(**{dict(SMALL_MOE[0], M=40, E=4, inter=384)}, device='cpu')"]))
 
 
 def test_gemv_plan():

@@ -92,6 +92,9 @@ TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32,
 # are decoded per launch.
 DENSE_ROWS = 128
 DENSE_GROUP = 8
+# When at most this many experts would be left to the grouped kernels, they go dense too: the grouped kernels
+# give each chunk and column block one program, so a few experts would leave most multiprocessors idle.
+DENSE_REST = 8
 EPILOGUE_SMALL = 256  # rows up to which the prologue and epilogues take 16 rows a program (epilogue_rows)
 ROUTE_SLOTS = 128  # route() takes one Triton launch (triton_route) up to this many slots: (slots)^2 comparisons
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
@@ -229,12 +232,13 @@ def _dense_tile(device: torch.device) -> tuple:
 
 @dataclass(frozen=True)
 class Hot:
-    """The experts of a call with at least DENSE_ROWS rows: flags (experts + 1,) int32, 1 for hot, and per group
+    """The experts of a call with at least DENSE_ROWS rows (all of them where few others are left): flags (experts + 1,) int32, 1 for hot, and per group
     of DENSE_GROUP, (ids, pos, length, slot): the experts and dense_gemm's chunks (first sorted position, rows,
     index in the group), all on the device. Made from one read of the counts and copied in one piece: a
     copy from pageable host memory waits for the kernels queued before it, so a later copy would stall."""
     flags: torch.Tensor
     groups: list
+    every: bool  # no expert is left to the grouped kernels
 
 
 def _hot_experts(r: "Routing", experts: int, BM: int) -> Hot | None:
@@ -245,6 +249,9 @@ def _hot_experts(r: "Routing", experts: int, BM: int) -> Hot | None:
     counts = counts[1:].tolist()
     starts = [0, *accumulate(counts[:-1])]  # sorted positions: local experts in ascending order
     hot = [(e, starts[e], c) for e, c in enumerate(counts) if c >= DENSE_ROWS]
+    rest = [(e, starts[e], c) for e, c in enumerate(counts) if 0 < c < DENSE_ROWS]
+    if len(rest) <= DENSE_REST:
+        hot, rest = sorted(hot + rest), []
     if not hot:
         return None
     flags = [0] * (experts + 1)
@@ -258,7 +265,7 @@ def _hot_experts(r: "Routing", experts: int, BM: int) -> Hot | None:
         parts += [[e for e, _, _ in group], *map(list, zip(*chunks))]
     flat = torch.tensor([v for part in parts for v in part], dtype=torch.int32).to(r.slot_expert.device)
     pieces = flat.split([len(part) for part in parts])
-    return Hot(pieces[0], [pieces[i:i + 4] for i in range(1, len(pieces), 4)])
+    return Hot(pieces[0], [pieces[i:i + 4] for i in range(1, len(pieces), 4)], every=not rest)
 
 
 def _dense_products(hot: Hot | None, a0, a1, w: Exl3Weight, second: Exl3Weight | None, p0, p1) -> None:
@@ -452,7 +459,8 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
     pu = torch.empty_like(pg)
     a0, a1 = _rotate(a, r.rows, r.sorted_expert, g, experts.up, P, up_launch)
-    _gemm(a0, a1, chunks, g, pg, pu, experts.up, up_launch)
+    if not (hot and hot.every):
+        _gemm(a0, a1, chunks, g, pg, pu, experts.up, up_launch)
     _dense_products(hot, a0, a1, g, experts.up, pg, pu)
     mid = torch.empty(P, g.n, device=dev, dtype=_act_dtype(down_launch))
     BM = epilogue_rows(P)
@@ -460,7 +468,8 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                                             mid, P, g.n, experts.intermediate, E, float(limit or 0.0),
                                             HAS_LIMIT=limit is not None, SPLIT=up_launch.split, BM=BM)
     pd = torch.empty(down_launch.split, P, d.n, device=dev, dtype=torch.float32)
-    _gemm(mid, mid, chunks, d, pd, None, None, down_launch)
+    if not (hot and hot.every):
+        _gemm(mid, mid, chunks, d, pd, None, None, down_launch)
     _dense_products(hot, mid, None, d, None, pd, None)
     out = torch.empty(M, experts.hidden, device=dev, dtype=x.dtype)
     BM = epilogue_rows(M)

@@ -142,11 +142,14 @@ def load_had(had_ptr):
 
 
 @triton.jit
-def rotate_out(acc, had):
-    """H_128 acc for fp32 acc (BM, 128): two fp16 MMAs on the high and low halves keep ~fp32 accuracy."""
+def rotate_out(acc, had, EXACT: tl.constexpr = True):
+    """H_128 acc for fp32 acc (BM, 128): two fp16 MMAs on the high and low halves keep ~fp32 accuracy; one
+    (EXACT False) where the result is stored in fp16 anyway."""
     hi = acc.to(tl.float16)
-    lo = (acc - hi.to(tl.float32)).to(tl.float16)
-    return (tl.dot(hi, had) + tl.dot(lo, had)) * 0.08838834764831845
+    y = tl.dot(hi, had)
+    if EXACT:
+        y += tl.dot((acc - hi.to(tl.float32)).to(tl.float16), had)
+    return y * 0.08838834764831845
 
 
 @triton.jit
@@ -164,10 +167,11 @@ def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr,
     had = load_had(had_ptr)
     vec = e[:, None] * stride_se + cols[None, :]
     out = pos.to(tl.int64)[:, None] * k + cols[None, :]
-    y = rotate_out(x * tl.load(s0_ptr + vec, mask=mask, other=0.0).to(tl.float32), had)
+    exact: tl.constexpr = out0_ptr.dtype.element_ty != tl.float16
+    y = rotate_out(x * tl.load(s0_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, exact)
     tl.store(out0_ptr + out, y.to(out0_ptr.dtype.element_ty), mask=mask)
     if DUAL:
-        y = rotate_out(x * tl.load(s1_ptr + vec, mask=mask, other=0.0).to(tl.float32), had)
+        y = rotate_out(x * tl.load(s1_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, exact)
         tl.store(out1_ptr + out, y.to(out1_ptr.dtype.element_ty), mask=mask)
 
 
@@ -299,7 +303,7 @@ def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, ha
     a = g / (1.0 + tl.exp(-g)) * u
     a = tl.where((cols < n_real)[None, :], a, 0.0)  # padded intermediate columns feed the down projection as 0
     a = a * tl.load(suh_d_ptr + vec, mask=mask, other=0.0).to(tl.float32)
-    a = rotate_out(a, had)
+    a = rotate_out(a, had, out_ptr.dtype.element_ty != tl.float16)
     tl.store(out_ptr + pos.to(tl.int64)[:, None] * n + cols[None, :], a.to(out_ptr.dtype.element_ty), mask=mask)
 
 
