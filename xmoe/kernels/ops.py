@@ -232,21 +232,22 @@ def _dense_tile(device: torch.device) -> tuple:
 
 @dataclass(frozen=True)
 class Hot:
-    """The experts of a call with at least DENSE_ROWS rows (all of them where few others are left): flags (experts + 1,) int32, 1 for hot, and per group
-    of DENSE_GROUP, (ids, pos, length, slot): the experts and dense_gemm's chunks (first sorted position, rows,
-    index in the group), all on the device. Made from one read of the counts and copied in one piece: a
-    copy from pageable host memory waits for the kernels queued before it, so a later copy would stall."""
+    """The experts of a call that go dense: those with at least DENSE_ROWS rows, or all of them where at most
+    DENSE_REST others are left. flags (experts + 1,) int32, 1 for dense; per group of DENSE_GROUP, (ids, pos,
+    length, slot): the experts and dense_gemm's chunks (first sorted position, rows, index in the group), all on
+    the device. Made from one read of the counts and copied in one piece: a copy from pageable host memory waits
+    for the kernels queued before it, so a later copy would stall the host."""
     flags: torch.Tensor
     groups: list
     every: bool  # no expert is left to the grouped kernels
 
 
 def _hot_experts(r: "Routing", experts: int, BM: int) -> Hot | None:
-    """The call's hot experts, None if there are none. Reads the counts back to the host: only for calls of at
-    least DENSE_ROWS tokens, never inside a CUDA-graph capture."""
+    """The call's dense experts (Hot), None if there are none. Reads the counts back to the host: only for calls
+    of at least DENSE_ROWS tokens, never inside a CUDA-graph capture."""
     slot = r.slot_expert.long() + 1  # 0: other ranks' slots; a scatter, as bincount reads its maximum back too
-    counts = torch.zeros(experts + 1, dtype=torch.long, device=slot.device).scatter_add_(0, slot, torch.ones_like(slot))
-    counts = counts[1:].tolist()
+    counts = torch.zeros(experts + 1, dtype=torch.long, device=slot.device)
+    counts = counts.scatter_add_(0, slot, torch.ones_like(slot))[1:].tolist()
     starts = [0, *accumulate(counts[:-1])]  # sorted positions: local experts in ascending order
     hot = [(e, starts[e], c) for e, c in enumerate(counts) if c >= DENSE_ROWS]
     rest = [(e, starts[e], c) for e, c in enumerate(counts) if 0 < c < DENSE_ROWS]
@@ -279,9 +280,10 @@ def _dense_products(hot: Hot | None, a0, a1, w: Exl3Weight, second: Exl3Weight |
     pairs = [(a0, w, p0)] + ([(a1, second, p1)] if second is not None else [])
     for ids, pos, length, slot in hot.groups:
         for a, wt, p in pairs:
-            dense_gemm[(len(pos), -(-wt.n // BN))](a, decode_experts(wt, ids), pos, length, slot, p, p.shape[1], wt.k,
-                                               wt.n, SPLIT=p.shape[0], BM=BM, BN=BN, BK=BK, num_warps=warps,
-                                               num_stages=stages)
+            dense = decode_experts(wt, ids)
+            dense_gemm[(len(pos), -(-wt.n // BN))](a, dense, pos, length, slot, p, p.shape[1], wt.k, wt.n,
+                                                   SPLIT=p.shape[0], BM=BM, BN=BN, BK=BK, num_warps=warps,
+                                                   num_stages=stages)
 
 
 def _without(chunks: tuple, hot: Hot, experts: int) -> tuple:
