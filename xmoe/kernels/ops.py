@@ -15,6 +15,7 @@ import torch
 from ..format.hadamard import hadamard_128
 from ..format.trellis import state_windows
 from .reference import exl3_linear_ref, fused_moe_ref
+from .routing import Routing, expected_experts, route
 from .weights import Exl3Experts, Exl3Weight
 
 BACKENDS = ("auto", "triton", "torch")
@@ -96,7 +97,6 @@ DENSE_GROUP = 8
 # give each chunk and column block one program, so a few experts would leave most multiprocessors idle.
 DENSE_REST = 8
 EPILOGUE_SMALL = 256  # rows up to which the prologue and epilogues take 16 rows a program (epilogue_rows)
-ROUTE_SLOTS = 128  # route() takes one Triton launch (triton_route) up to this many slots: (slots)^2 comparisons
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
 # finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16).
 FILL = {"gemv": 32, "decode": 4, "prefill": 4}
@@ -242,7 +242,7 @@ class Hot:
     every: bool  # no expert is left to the grouped kernels
 
 
-def _hot_experts(r: "Routing", experts: int, BM: int) -> Hot | None:
+def _hot_experts(r: Routing, experts: int, BM: int) -> Hot | None:
     """The call's dense experts (Hot), None if there are none. Reads the counts back to the host: only for calls
     of at least DENSE_ROWS tokens, never inside a CUDA-graph capture."""
     slot = r.slot_expert.long() + 1  # 0: other ranks' slots; a scatter, as bincount reads its maximum back too
@@ -358,75 +358,6 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
                                                M, w.n, w.out_features, HAS_BIAS=bias is not None,
                                                SPLIT=part.shape[0], BM=BM)
     return out.reshape(*x.shape[:-1], w.out_features)
-
-
-@dataclass(frozen=True)
-class Routing:
-    """The slots (token, k) sorted by local expert, all on the device, from host-known sizes only.
-
-    rows: token of each sorted position; sorted_expert: its expert (E for slots another rank owns);
-    slot_pos: sorted position of each slot; slot_expert: local expert of each slot (-1: not ours);
-    chunks: (pos, len, expert, count, bound), runs of one expert cut at BM rows, padded to `bound` entries.
-    """
-    rows: torch.Tensor
-    sorted_expert: torch.Tensor
-    slot_pos: torch.Tensor
-    slot_expert: torch.Tensor
-    chunks: tuple
-
-
-def chunk_bound(slots: int, BM: int, experts: int) -> int:
-    """The most chunks `slots` sorted slots can make, cut at BM rows per expert: the grid's host-known bound."""
-    return min(slots, -(-slots // BM) + experts)
-
-
-def route(topk_ids: torch.Tensor, experts: int, BM: int, expert_map: torch.Tensor | None = None,
-          backend: str = "torch") -> Routing:
-    """Group slots by expert with device-side sort, scan and scatter: no host sync, so it graph-captures.
-    backend "triton" takes one launch (triton_route) where the slots are few enough."""
-    if backend == "triton" and topk_ids.numel() <= ROUTE_SLOTS:
-        return _route_small(topk_ids, experts, BM, expert_map)
-    top_k = topk_ids.shape[1]
-    local = (topk_ids if expert_map is None else expert_map[topk_ids.long()]).reshape(-1).long()
-    key = torch.where(local >= 0, local, experts)
-    order = torch.sort(key, stable=True).indices
-    sorted_e = key[order]
-    P = key.numel()
-    pos = torch.arange(P, device=key.device)
-    first = torch.ones(P, dtype=torch.bool, device=key.device)
-    first[1:] = sorted_e[1:] != sorted_e[:-1]
-    run_start = torch.where(first, pos, 0).cummax(0).values
-    counts = torch.zeros(experts + 1, dtype=torch.long, device=key.device).scatter_add_(0, key, torch.ones_like(key))
-    run_end = run_start + counts[sorted_e]
-    leader = ((pos - run_start) % BM == 0) & (sorted_e < experts)
-    bound = chunk_bound(P, BM, experts)
-    idx = torch.where(leader, leader.cumsum(0) - 1, bound)
-    table = torch.zeros(3, bound + 1, dtype=torch.int32, device=key.device)
-    table.scatter_(1, idx.expand(3, P), torch.stack([pos, (run_end - pos).clamp(max=BM), sorted_e]).int())
-    slot_pos = torch.empty_like(order).scatter_(0, order, pos)
-    chunks = (table[0], table[1], table[2], leader.sum().int().reshape(1), bound)
-    return Routing((order // top_k).int(), sorted_e.int(), slot_pos.int(), local.int(), chunks)
-
-
-def _route_small(topk_ids, experts, BM, expert_map) -> Routing:
-    import triton
-    from .triton_route import route_small
-    P, dev = topk_ids.numel(), topk_ids.device
-    bound = chunk_bound(P, BM, experts)
-    out = torch.empty(4, P, dtype=torch.int32, device=dev)  # rows, sorted_expert, slot_pos, slot_expert
-    table = torch.empty(3, bound + 1, dtype=torch.int32, device=dev)
-    count = torch.empty(1, dtype=torch.int32, device=dev)
-    ids = topk_ids.contiguous()
-    route_small[(1,)](ids, expert_map if expert_map is not None else ids, out[0], out[1], out[2], out[3], table,
-                      count, P, experts, table.stride(0), TOPK=topk_ids.shape[1], BM=BM,
-                      PB=max(16, triton.next_power_of_2(P)), HAS_MAP=expert_map is not None, num_warps=8)
-    return Routing(out[0], out[1], out[2], out[3], (table[0], table[1], table[2], count, bound))
-
-
-def expected_experts(slots: int, experts: int) -> int:
-    """Distinct experts that `slots` (token, k) pairs pick under uniform routing: what launches are planned for,
-    as the real count is known only on the device."""
-    return max(1, round(experts * (1 - (1 - 1 / experts) ** slots)))
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Exl3Experts,

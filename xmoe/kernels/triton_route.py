@@ -1,6 +1,6 @@
 """One-launch routing for decode sizes: the slots (token, k) sorted by local expert and cut into chunks, as
-ops.route does with a dozen torch kernels. A few microseconds of launch each are a large share of a decode
-step, so for up to ops.ROUTE_SLOTS slots one program compares every slot with every other instead."""
+routing.route does with a dozen torch kernels. A few microseconds of launch each are a large share of a decode
+step, so for up to routing.ROUTE_SLOTS slots one program compares every slot with every other instead."""
 import triton
 import triton.language as tl
 
