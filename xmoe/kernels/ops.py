@@ -387,12 +387,13 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
     hot = _hot_experts(r, E, _dense_tile(dev)[0]) if _dense_call(M, dev) else None
-    chunks = _without(r.chunks, hot, E) if hot else r.chunks
+    grouped = not (hot and hot.every)  # some experts are left to the grouped kernels
+    chunks = _without(r.chunks, hot, E) if hot and grouped else r.chunks
     a = _padded_rows(x, g.k)
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
     pu = torch.empty_like(pg)
     a0, a1 = _rotate(a, r.rows, r.sorted_expert, g, experts.up, P, up_launch)
-    if not (hot and hot.every):
+    if grouped:
         _gemm(a0, a1, chunks, g, pg, pu, experts.up, up_launch)
     _dense_products(hot, a0, a1, g, experts.up, pg, pu)
     mid = torch.empty(P, g.n, device=dev, dtype=_act_dtype(down_launch))
@@ -401,7 +402,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                                             mid, P, g.n, experts.intermediate, E, float(limit or 0.0),
                                             HAS_LIMIT=limit is not None, SPLIT=up_launch.split, BM=BM)
     pd = torch.empty(down_launch.split, P, d.n, device=dev, dtype=torch.float32)
-    if not (hot and hot.every):
+    if grouped:
         _gemm(mid, mid, chunks, d, pd, None, None, down_launch)
     _dense_products(hot, mid, None, d, None, pd, None)
     out = torch.empty(M, experts.hidden, device=dev, dtype=x.dtype)
