@@ -110,10 +110,20 @@ def regime(rows_per_chunk: float, tiled: bool = True) -> str:
     return "decode" if rows_per_chunk <= 16 else "prefill"
 
 
+def _tiled(K: float) -> bool:
+    """Whether weights of K bits take the tiled decoder: DECODER says so and K is 1, 2, 4 or 8."""
+    return DECODER == "tiled" and K in (1, 2, 4, 8)
+
+
+def _klog(K: float, tiled: bool) -> int:
+    """The kernels' KLOG argument: log2 K for the tiled decoder, unused by the gather one."""
+    return int(K).bit_length() - 1 if tiled else 1
+
+
 def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float = 2, gemv: bool = True) -> Launch:
     """Tile sizes by regime (gemv=False: never grouped_gemv); enough K splits to give each multiprocessor about
     FILL programs."""
-    tiled = DECODER == "tiled" and K in (1, 2, 4, 8)
+    tiled = _tiled(K)
     mode = regime(rows_per_chunk, tiled and gemv)
     BM, BK, BN, warps, stages = TUNED[mode, tiled]
     BN = min(BN, n)
@@ -174,19 +184,19 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
     stride_te = words[0].numel() if w.experts else 0
     other = (second if second is not None else w).trellis.view(torch.int32)
     grid = (bound, w.n // launch.BN, launch.split)
-    tiled = launch.tiled and w.K in (1, 2, 4, 8)
+    tiled = launch.tiled and _tiled(w.K)
     if tiled and launch.gemv:
         grouped_gemv[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0,
                            p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], CB=CODEBOOK_ID[w.codebook],
                            DUAL=second is not None, BN=launch.BN, BK=launch.BK, SPLIT=launch.split,
-                           KLOG=int(w.K).bit_length() - 1, ASM=a0.device.type == "cuda", ROWS=launch.BM,
+                           KLOG=_klog(w.K, True), ASM=a0.device.type == "cuda", ROWS=launch.BM,
                            num_warps=launch.warps, num_stages=launch.stages)
         return
     grouped_gemm[grid](a0, a1, pos, length, expert, count, words, other, _windows(w.K, str(a0.device)),
                        p0, p1 if p1 is not None else p0, p0.shape[1], w.k, w.n, stride_te,
                        W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], DUAL=second is not None,
                        BM=launch.BM, BN=launch.BN, BK=launch.BK, SPLIT=launch.split, TILED=tiled,
-                       KLOG=int(w.K).bit_length() - 1 if tiled else 1, SWAP=tiled and launch.swap,
+                       KLOG=_klog(w.K, tiled), SWAP=tiled and launch.swap,
                        num_warps=launch.warps, num_stages=launch.stages)
 
 
@@ -195,13 +205,13 @@ def decode_experts(w: Exl3Weight, ids: torch.Tensor) -> torch.Tensor:
     (int32, on w's device; [0] for a single layer)."""
     from .triton_exl3 import decode_weights
     words = w.trellis.view(torch.int32)
-    tiled = DECODER == "tiled" and w.K in (1, 2, 4, 8)
+    tiled = _tiled(w.K)
     out = torch.empty(len(ids), w.k, w.n, device=words.device, dtype=torch.float16)
     BK, BN = 32, 128  # the fastest of six block shapes on an H200 (5120 x 5120: 30 us, 64 x 64: 41 us)
     decode_weights[(w.k // BK, w.n // BN, len(ids))](
         words, ids, _windows(w.K, str(words.device)), out, w.k, w.n, words[0].numel() if w.experts else 0,
         W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], BK=BK, BN=BN, TILED=tiled,
-        KLOG=int(w.K).bit_length() - 1 if tiled else 1)
+        KLOG=_klog(w.K, tiled))
     return out
 
 
