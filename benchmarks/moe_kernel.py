@@ -263,9 +263,11 @@ def main():
                    help="rows per chunk up to which tiled launches take grouped_gemv (ops.GEMV_ROWS; 0: never)")
     p.add_argument("--dense-rows", type=int, default=ops.DENSE_ROWS,
                    help="rows from which an expert is decoded once and multiplied densely (ops.DENSE_ROWS)")
+    p.add_argument("--dense-group", type=int, default=ops.DENSE_GROUP,
+                   help="dense experts decoded and multiplied per launch (ops.DENSE_GROUP)")
     p.add_argument("--json")
     args = p.parse_args()
-    ops.DENSE_ROWS, ops.DENSE_TILE = args.dense_rows, tuple(args.dense_tile)
+    ops.DENSE_ROWS, ops.DENSE_TILE, ops.DENSE_GROUP = args.dense_rows, tuple(args.dense_tile), args.dense_group
     ops.DECODER, ops.SWAP_AB, ops.GEMV_ROWS = args.decoder, set(args.swap), args.gemv_rows
     if args.fill and not args.sweep:
         ops.FILL = dict.fromkeys(ops.FILL, args.fill[0])

@@ -122,7 +122,7 @@ def test_dense_path_interpreter():
     """Experts with at least ops.DENSE_ROWS rows (here 3; 1 for the second MoE: every expert) decoded once and
     multiplied densely, beside the grouped kernels for the rest; a dense linear layer; every K and decoder; a
     call whose few experts all go dense as the rest (DENSE_REST); experts of more rows than one dense_gemm chunk
-    (BM 16 here)."""
+    (BM 16 here); a call of more than routing.ROUTE_SLOTS slots (sorted routing)."""
     pytest.importorskip("triton")
     decode = [f"check_decode(256, 128, {K}, {cb!r}, 'cpu')" for K, cb in ((1, "mcg"), (2, "3inst"), (3, "mul1"),
                                                                          (4, "mcg"), (8, "mul1"))]
@@ -132,7 +132,11 @@ def test_dense_path_interpreter():
         *(f"check_linear(*{c}, 'cpu')" for c in SMALL_LINEAR), "ops.DENSE_ROWS = 1",
         f"check_moe(**{SMALL_MOE[0]}, device='cpu')", "ops.DENSE_ROWS, ops.DENSE_REST = 3, 8",
         f"check_moe(**{SMALL_MOE[1]}, device='cpu')", "ops.DENSE_ROWS, ops.DENSE_TILE = 1, (16, 256, 64, 4, 1)",
-        f"check_moe(**{dict(SMALL_MOE[0], M=40, E=4, inter=384)}, device='cpu')"]))
+        f"check_moe(**{dict(SMALL_MOE[0], M=40, E=4, inter=384)}, device='cpu')",
+        "ops.DENSE_ROWS, ops.DENSE_REST = 12, 0", "hot, find = [], ops._hot_experts",
+        "ops._hot_experts = lambda *a: hot.append(find(*a)) or hot[-1]",
+        f"check_moe(**{dict(SMALL_MOE[2], M=24)}, device='cpu')",
+        "assert hot and all(h is not None and not h.every for h in hot), hot"]))
 
 
 def test_gemv_plan():
@@ -287,13 +291,16 @@ def test_linear_cuda_graph_replay_equals_eager():
             assert torch.equal(out, ops.exl3_linear(x, w, backend="triton")), M
 
 
-def test_route_small_equals_route_interpreter():
-    """The one-launch routing of decode sizes gives route()'s sorted slots and chunks exactly."""
+def test_triton_routes_equal_route_interpreter():
+    """The Triton routings (one launch for decode sizes, a sort and two launches beyond) give route()'s sorted
+    slots and chunks exactly."""
     pytest.importorskip("triton")
     run_interpreted("""
 for M, E, top_k, BM, skew, ep in ((1, 8, 2, 1, False, False), (6, 384, 6, 1, True, False), (12, 32, 6, 4, True, False),
                                   (7, 16, 8, 16, True, True),
-                                  (21, 64, 6, 2, False, True), (16, 8, 8, 16, True, False)):
+                                  (21, 64, 6, 2, False, True), (16, 8, 8, 16, True, False),
+                                  (40, 384, 6, 16, True, False), (300, 64, 4, 64, False, True),
+                                  (222, 384, 6, 64, True, True), (1100, 8, 1, 128, True, False)):
     ids, _ = routing(M, E, top_k, skew, seed=M, device='cpu')
     emap = None
     if ep:

@@ -8,7 +8,6 @@ import logging
 import os
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from itertools import accumulate
 
 import torch
 
@@ -245,20 +244,39 @@ class Hot:
     """The experts of a call that go dense: those with at least DENSE_ROWS rows, or all of them where at most
     DENSE_REST others are left. flags (experts + 1,) int32, 1 for dense; per group of DENSE_GROUP, (ids, pos,
     length, slot): the experts and dense_gemm's chunks (first sorted position, rows, index in the group), all on
-    the device. Made from one read of the counts and copied in one piece: a copy from pageable host memory waits
-    for the kernels queued before it, so a later copy would stall the host."""
+    the device."""
     flags: torch.Tensor
     groups: list
     every: bool  # no expert is left to the grouped kernels
 
 
-def _hot_experts(r: Routing, experts: int, BM: int) -> Hot | None:
-    """The call's dense experts (Hot), None if there are none. Reads the counts back to the host: only for calls
-    of at least DENSE_ROWS tokens, never inside a CUDA-graph capture."""
-    slot = r.slot_expert.long() + 1  # 0: other ranks' slots; a scatter, as bincount reads its maximum back too
-    counts = torch.zeros(experts + 1, dtype=torch.long, device=slot.device)
-    counts = counts.scatter_add_(0, slot, torch.ones_like(slot))[1:].tolist()
-    starts = [0, *accumulate(counts[:-1])]  # sorted positions: local experts in ascending order
+def _runs_to_host(r: Routing, experts: int) -> tuple:
+    """Starts copying the experts' runs (2, experts: first and end sorted position) to the host; returns (host
+    tensor, CUDA event or None). Work queued after this call does not delay the read (_hot_experts)."""
+    runs = r.runs
+    if runs is None:  # route_small's routing: count the slots (a scatter: bincount reads its maximum back)
+        slot = r.slot_expert.long() + 1  # 0: other ranks' slots
+        counts = torch.zeros(experts + 1, dtype=torch.long, device=slot.device)
+        ends = counts.scatter_add_(0, slot, torch.ones_like(slot))[1:].cumsum(0)
+        runs = torch.stack([ends - counts[1:], ends])
+    if not runs.is_cuda:
+        return runs, None
+    host = torch.empty(runs.shape, dtype=runs.dtype, pin_memory=True)
+    host.copy_(runs, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _hot_experts(runs: tuple, experts: int, BM: int, device: torch.device) -> Hot | None:
+    """The call's dense experts (Hot), None if there are none, from _runs_to_host's copy: waits for it alone. Only
+    for calls of at least DENSE_ROWS tokens, never inside a CUDA-graph capture. The tables go back in one copy
+    from pinned memory, which does not wait for the kernels queued before it."""
+    host, done = runs
+    if done is not None:
+        done.synchronize()
+    starts, ends = host.tolist()
+    counts = [end - start for start, end in zip(starts, ends)]
     hot = [(e, starts[e], c) for e, c in enumerate(counts) if c >= DENSE_ROWS]
     rest = [(e, starts[e], c) for e, c in enumerate(counts) if 0 < c < DENSE_ROWS]
     if len(rest) <= DENSE_REST:
@@ -274,8 +292,8 @@ def _hot_experts(r: Routing, experts: int, BM: int) -> Hot | None:
         chunks = [(start + s, min(BM, rows - s), j) for j, (_, start, rows) in enumerate(group)
                   for s in range(0, rows, BM)]
         parts += [[e for e, _, _ in group], *map(list, zip(*chunks))]
-    flat = torch.tensor([v for part in parts for v in part], dtype=torch.int32).to(r.slot_expert.device)
-    pieces = flat.split([len(part) for part in parts])
+    flat = torch.tensor([v for part in parts for v in part], dtype=torch.int32, pin_memory=device.type == "cuda")
+    pieces = flat.to(device, non_blocking=True).split([len(part) for part in parts])
     return Hot(pieces[0], [pieces[i:i + 4] for i in range(1, len(pieces), 4)], every=not rest)
 
 
@@ -305,7 +323,7 @@ def _without(chunks: tuple, hot: Hot, experts: int) -> tuple:
 
 
 def _dense_call(M: int, device: torch.device) -> bool:
-    """Whether a call of M rows may take the dense path (and read routing counts back, _hot_experts): only
+    """Whether a call of M rows may take the dense path (and read the routing back, _hot_experts): only
     prefill-sized calls, never while a CUDA graph is being captured or torch.compile traces the call."""
     if torch.compiler.is_compiling():
         return False
@@ -396,13 +414,14 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, gemv=False)
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
-    hot = _hot_experts(r, E, _dense_tile(dev)[0]) if _dense_call(M, dev) else None
+    runs = _runs_to_host(r, E) if _dense_call(M, dev) else None
+    # the GPU rotates while the host waits for the runs and builds the tables of the dense experts
+    a0, a1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
+    hot = _hot_experts(runs, E, _dense_tile(dev)[0], dev) if runs is not None else None
     grouped = not (hot and hot.every)  # some experts are left to the grouped kernels
     chunks = _without(r.chunks, hot, E) if hot and grouped else r.chunks
-    a = _padded_rows(x, g.k)
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
     pu = torch.empty_like(pg)
-    a0, a1 = _rotate(a, r.rows, r.sorted_expert, g, experts.up, P, up_launch)
     if grouped:
         _gemm(a0, a1, chunks, g, pg, pu, experts.up, up_launch)
     _dense_products(hot, a0, a1, g, experts.up, pg, pu)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-ROUTE_SLOTS = 128  # route() takes one Triton launch (triton_route) up to this many slots: (slots)^2 comparisons
+ROUTE_SLOTS = 128  # route() takes one Triton launch (route_small) up to this many slots: (slots)^2 comparisons
 
 
 @dataclass(frozen=True)
@@ -13,13 +13,15 @@ class Routing:
 
     rows: token of each sorted position; sorted_expert: its expert (E for slots another rank owns);
     slot_pos: sorted position of each slot; slot_expert: local expert of each slot (-1: not ours);
-    chunks: (pos, len, expert, count, bound), runs of one expert cut at BM rows, padded to `bound` entries.
+    chunks: (pos, len, expert, count, bound), runs of one expert cut at BM rows, padded to `bound` entries;
+    runs: (2, experts) first and end sorted position of each local expert, where the routing found them.
     """
     rows: torch.Tensor
     sorted_expert: torch.Tensor
     slot_pos: torch.Tensor
     slot_expert: torch.Tensor
     chunks: tuple
+    runs: torch.Tensor | None = None
 
 
 def chunk_bound(slots: int, BM: int, experts: int) -> int:
@@ -30,9 +32,11 @@ def chunk_bound(slots: int, BM: int, experts: int) -> int:
 def route(topk_ids: torch.Tensor, experts: int, BM: int, expert_map: torch.Tensor | None = None,
           backend: str = "torch") -> Routing:
     """Group slots by expert with device-side sort, scan and scatter: no host sync, so it graph-captures.
-    backend "triton" takes one launch (triton_route) where the slots are few enough."""
-    if backend == "triton" and topk_ids.numel() <= ROUTE_SLOTS:
-        return _route_small(topk_ids, experts, BM, expert_map)
+    backend "triton" takes one launch (route_small) where the slots are few enough, else a sort and two
+    launches (_route_sorted); "torch" is the reference, two dozen torch kernels."""
+    if backend == "triton":
+        small = topk_ids.numel() <= ROUTE_SLOTS
+        return (_route_small if small else _route_sorted)(topk_ids, experts, BM, expert_map)
     top_k = topk_ids.shape[1]
     local = (topk_ids if expert_map is None else expert_map[topk_ids.long()]).reshape(-1).long()
     key = torch.where(local >= 0, local, experts)
@@ -68,6 +72,29 @@ def _route_small(topk_ids, experts, BM, expert_map) -> Routing:
                       count, P, experts, table.stride(0), TOPK=topk_ids.shape[1], BM=BM,
                       PB=max(16, triton.next_power_of_2(P)), HAS_MAP=expert_map is not None, num_warps=8)
     return Routing(out[0], out[1], out[2], out[3], (table[0], table[1], table[2], count, bound))
+
+
+def _route_sorted(topk_ids, experts, BM, expert_map) -> Routing:
+    """route() in a sort and two Triton launches: at 1,542 tokens the torch version spent about 1 ms of host time
+    on its launches, ahead of the call's one synchronization."""
+    import triton
+    from .triton_route import route_bounds, route_positions
+    P, dev = topk_ids.numel(), topk_ids.device
+    local = (topk_ids if expert_map is None else expert_map[topk_ids.long()]).reshape(-1)
+    key = local if expert_map is None else torch.where(local >= 0, local, experts)
+    key = key.to(torch.int16 if experts < 2 ** 15 - 1 else torch.int32)  # fewer radix passes
+    sorted_key, order = torch.sort(key, stable=True)
+    bound = chunk_bound(P, BM, experts)
+    info = torch.empty(3, experts, dtype=torch.int32, device=dev)
+    count = torch.empty(1, dtype=torch.int32, device=dev)
+    route_bounds[(1,)](sorted_key, info, count, P, experts, P.bit_length() + 1, BM=BM,
+                       EB=triton.next_power_of_2(experts + 1), num_warps=4)
+    out = torch.empty(3, P, dtype=torch.int32, device=dev)  # rows, sorted_expert, slot_pos
+    table = torch.zeros(3, bound + 1, dtype=torch.int32, device=dev)
+    BP = 1024
+    route_positions[(triton.cdiv(P, BP),)](order, sorted_key, info, out[0], out[1], out[2], table, P, experts,
+                                           table.stride(0), TOPK=topk_ids.shape[1], BM=BM, BP=BP, num_warps=4)
+    return Routing(out[0], out[1], out[2], local.int(), (table[0], table[1], table[2], count, bound), info[:2])
 
 
 def expected_experts(slots: int, experts: int) -> int:

@@ -34,3 +34,48 @@ def route_small(ids_ptr, emap_ptr, rows_ptr, sorted_expert_ptr, slot_pos_ptr, sl
     tl.store(table_ptr + stride_table + chunk, tl.minimum(run - before, BM), mask=leader)
     tl.store(table_ptr + 2 * stride_table + chunk, key, mask=leader)
     tl.store(count_ptr, tl.sum(leader.to(tl.int32), axis=0))
+
+
+@triton.jit
+def route_bounds(sorted_ptr, info_ptr, count_ptr, P, E, steps, BM: tl.constexpr, EB: tl.constexpr):
+    """For the slots sorted by expert (sorted_ptr, ascending; E for other ranks'), one program finds each local
+    expert's run [start, end) by binary search and numbers its chunks of BM rows: info = (start, end, index of
+    the first chunk), count = all chunks."""
+    e = tl.arange(0, EB)
+    lo, hi = tl.zeros([EB], tl.int32), tl.zeros([EB], tl.int32) + P  # lower bound of e
+    lo2, hi2 = tl.zeros([EB], tl.int32), tl.zeros([EB], tl.int32) + P  # upper bound of e
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        below = tl.load(sorted_ptr + mid, mask=mid < hi, other=0) < e
+        lo, hi = tl.where((mid < hi) & below, mid + 1, lo), tl.where((mid < hi) & ~below, mid, hi)
+        mid = (lo2 + hi2) // 2
+        below = tl.load(sorted_ptr + mid, mask=mid < hi2, other=0) <= e
+        lo2, hi2 = tl.where((mid < hi2) & below, mid + 1, lo2), tl.where((mid < hi2) & ~below, mid, hi2)
+    ours = e < E
+    per = tl.where(ours, (lo2 - lo + BM - 1) // BM, 0)
+    tl.store(info_ptr + e, lo, mask=ours)
+    tl.store(info_ptr + E + e, lo2, mask=ours)
+    tl.store(info_ptr + 2 * E + e, tl.cumsum(per, 0) - per, mask=ours)
+    tl.store(count_ptr, tl.sum(per, 0))
+
+
+@triton.jit
+def route_positions(order_ptr, sorted_ptr, info_ptr, rows_ptr, sorted_expert_ptr, slot_pos_ptr, table_ptr, P, E,
+                    stride_table, TOPK: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr):
+    """Per sorted position p (slot order[p] of expert sorted[p]): its token, its expert, the inverse permutation,
+    and, where p starts a chunk, the chunk's (pos, len, expert) at the index route_bounds gave it."""
+    p = tl.program_id(0) * BP + tl.arange(0, BP)
+    live = p < P
+    slot = tl.load(order_ptr + p, mask=live, other=0).to(tl.int32)
+    e = tl.load(sorted_ptr + p, mask=live, other=E).to(tl.int32)
+    tl.store(rows_ptr + p, slot // TOPK, mask=live)
+    tl.store(sorted_expert_ptr + p, e, mask=live)
+    tl.store(slot_pos_ptr + slot, p, mask=live)
+    ours = live & (e < E)
+    start = tl.load(info_ptr + e, mask=ours, other=0)
+    lead = ours & ((p - start) % BM == 0)
+    chunk = tl.load(info_ptr + 2 * E + e, mask=lead, other=0) + (p - start) // BM
+    tl.store(table_ptr + chunk, p, mask=lead)
+    tl.store(table_ptr + stride_table + chunk, tl.minimum(tl.load(info_ptr + E + e, mask=lead, other=0) - p, BM),
+             mask=lead)
+    tl.store(table_ptr + 2 * stride_table + chunk, e, mask=lead)
