@@ -122,7 +122,8 @@ def test_dense_path_interpreter():
     """Experts with at least ops.DENSE_ROWS rows (here 3; 1 for the second MoE: every expert) decoded once and
     multiplied densely, beside the grouped kernels for the rest; a dense linear layer; every K and decoder; a
     call whose few experts all go dense as the rest (DENSE_REST); experts of more rows than one dense_gemm chunk
-    (BM 16 here); a call of more than routing.ROUTE_SLOTS slots (sorted routing)."""
+    (BM 16 here); a call of more than routing.ROUTE_SLOTS slots (sorted routing); dense_gemm_tma and, for GPUs
+    without the copy engine, dense_gemm."""
     pytest.importorskip("triton")
     decode = [f"check_decode(256, 128, {K}, {cb!r}, 'cpu')" for K, cb in ((1, "mcg"), (2, "3inst"), (3, "mul1"),
                                                                          (4, "mcg"), (8, "mul1"))]
@@ -136,7 +137,8 @@ def test_dense_path_interpreter():
         "ops.DENSE_ROWS, ops.DENSE_REST = 12, 0", "hot, find = [], ops._hot_experts",
         "ops._hot_experts = lambda *a: hot.append(find(*a)) or hot[-1]",
         f"check_moe(**{dict(SMALL_MOE[2], M=24)}, device='cpu')",
-        "assert hot and all(h is not None and not h.every for h in hot), hot"]))
+        "assert hot and all(h is not None and not h.every for h in hot), hot",
+        "ops.DENSE_TMA = False", f"check_moe(**{dict(SMALL_MOE[2], M=24)}, device='cpu')"]))
 
 
 def test_gemv_plan():

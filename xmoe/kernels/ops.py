@@ -239,6 +239,13 @@ def _dense_tile(device: torch.device) -> tuple:
     return BM, BN, BK, warps, stages
 
 
+DENSE_TMA = True  # dense_gemm_tma where the copy engine is there (sm_90 and later) or emulated (TRITON_INTERPRET)
+
+
+def _tma(device: torch.device) -> bool:
+    return DENSE_TMA and (device.type == "cpu" or torch.cuda.get_device_capability(device) >= (9, 0))
+
+
 @dataclass(frozen=True)
 class Hot:
     """The experts of a call that go dense: those with at least DENSE_ROWS rows, or all of them where at most
@@ -303,15 +310,22 @@ def _dense_products(hot: Hot | None, a0, a1, w: Exl3Weight, second: Exl3Weight |
     matmul per expert made prefill host-bound (72 of them at 1,542 skewed tokens)."""
     if hot is None:
         return
-    from .triton_exl3 import dense_gemm
+    from .triton_exl3 import dense_gemm, dense_gemm_tma
     BM, BN, BK, warps, stages = _dense_tile(a0.device)
+    tma = _tma(a0.device)
     pairs = [(a0, w, p0)] + ([(a1, second, p1)] if second is not None else [])
     for ids, pos, length, slot in hot.groups:
         for a, wt, p in pairs:
             dense = decode_experts(wt, ids)
-            dense_gemm[(len(pos), -(-wt.n // BN))](a, dense, pos, length, slot, p, p.shape[1], wt.k, wt.n,
-                                                   SPLIT=p.shape[0], BM=BM, BN=BN, BK=BK, num_warps=warps,
-                                                   num_stages=stages)
+            if tma:
+                from triton.tools.tensor_descriptor import TensorDescriptor
+                kernel, a, dense = dense_gemm_tma, TensorDescriptor.from_tensor(a, [BM, BK]), \
+                    TensorDescriptor.from_tensor(dense.view(-1, wt.n), [BK, BN])
+            else:
+                kernel = dense_gemm
+            kernel[(len(pos), -(-wt.n // BN))](a, dense, pos, length, slot, p, p.shape[1], wt.k, wt.n,
+                                               SPLIT=p.shape[0], BM=BM, BN=BN, BK=BK, num_warps=warps,
+                                               num_stages=stages)
 
 
 def _without(chunks: tuple, hot: Hot, experts: int) -> tuple:
