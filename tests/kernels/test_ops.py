@@ -123,8 +123,7 @@ def test_dense_path_interpreter():
     multiplied densely, beside the grouped kernels for the rest; a dense linear layer; every K and decoder; a
     call whose few experts all go dense as the rest (DENSE_REST); experts of more rows than one dense_gemm chunk
     (BM 16 here); a call of more than routing.ROUTE_SLOTS slots (sorted routing); dense_gemm_tma and, for GPUs
-    without the copy engine, dense_gemm; calls whose every expert is dense, with the output rotation in
-    dense_gemm (DENSE_ROTATE) and without."""
+    without the copy engine, dense_gemm."""
     pytest.importorskip("triton")
     decode = [f"check_decode(256, 128, {K}, {cb!r}, 'cpu')" for K, cb in ((1, "mcg"), (2, "3inst"), (3, "mul1"),
                                                                          (4, "mcg"), (8, "mul1"))]
@@ -139,9 +138,7 @@ def test_dense_path_interpreter():
         "ops._hot_experts = lambda *a: hot.append(find(*a)) or hot[-1]",
         f"check_moe(**{dict(SMALL_MOE[2], M=24)}, device='cpu')",
         "assert hot and all(h is not None and not h.every for h in hot), hot",
-        "ops.DENSE_TMA = False", f"check_moe(**{dict(SMALL_MOE[2], M=24)}, device='cpu')",
-        "ops.DENSE_ROWS = 1", f"check_moe(**{SMALL_MOE[1]}, device='cpu')",
-        "ops.DENSE_ROTATE = False", f"check_moe(**{SMALL_MOE[2]}, device='cpu')"]))
+        "ops.DENSE_TMA = False", f"check_moe(**{dict(SMALL_MOE[2], M=24)}, device='cpu')"]))
 
 
 def test_gemv_plan():

@@ -239,10 +239,6 @@ def _dense_tile(device: torch.device) -> tuple:
     return BM, BN, BK, warps, stages
 
 
-# When every expert of a call is dense, dense_gemm applies the output H_128 and svh in its epilogue, where the
-# accumulator already is, and the MoE epilogues skip their rotations (at 4,096 skewed tokens on the H200 those
-# rotations made combine_epilogue and act_epilogue run at 1.1-1.3 TB/s).
-DENSE_ROTATE = True
 DENSE_TMA = True  # dense_gemm_tma where the copy engine is there (sm_90 and later) or emulated (TRITON_INTERPRET)
 
 
@@ -308,12 +304,10 @@ def _hot_experts(runs: tuple, experts: int, BM: int, device: torch.device) -> Ho
     return Hot(pieces[0], [pieces[i:i + 4] for i in range(1, len(pieces), 4)], every=not rest)
 
 
-def _dense_products(hot: Hot | None, a0, a1, w: Exl3Weight, second: Exl3Weight | None, p0, p1,
-                    rotate: bool = False) -> None:
+def _dense_products(hot: Hot | None, a0, a1, w: Exl3Weight, second: Exl3Weight | None, p0, p1) -> None:
     """For each hot expert, p[0, rows] = a[rows] @ W-hat_e (and p1 from a1 and `second`) and the other K splits
-    zeroed, as the epilogues sum them; rotate: H_128 and svh applied too (the epilogues then skip them). Per
-    group and projection, one decode and one dense_gemm launch: a matmul per expert made prefill host-bound
-    (72 of them at 1,542 skewed tokens)."""
+    zeroed, as the epilogues sum them. Per group and projection, one decode and one dense_gemm launch: a
+    matmul per expert made prefill host-bound (72 of them at 1,542 skewed tokens)."""
     if hot is None:
         return
     from .triton_exl3 import dense_gemm, dense_gemm_tma
@@ -329,9 +323,9 @@ def _dense_products(hot: Hot | None, a0, a1, w: Exl3Weight, second: Exl3Weight |
                     TensorDescriptor.from_tensor(dense.view(-1, wt.n), [BK, BN])
             else:
                 kernel = dense_gemm
-            kernel[(len(pos), -(-wt.n // BN))](a, dense, pos, length, slot, ids, wt.svh, _had(str(p.device)), p,
-                                               p.shape[1], wt.k, wt.n, SPLIT=p.shape[0], BM=BM, BN=BN, BK=BK,
-                                               ROTATE=rotate, num_warps=warps, num_stages=stages)
+            kernel[(len(pos), -(-wt.n // BN))](a, dense, pos, length, slot, p, p.shape[1], wt.k, wt.n,
+                                               SPLIT=p.shape[0], BM=BM, BN=BN, BK=BK, num_warps=warps,
+                                               num_stages=stages)
 
 
 def _without(chunks: tuple, hot: Hot, experts: int) -> tuple:
@@ -439,27 +433,24 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     a0, a1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
     hot = _hot_experts(runs, E, _dense_tile(dev)[0], dev) if runs is not None else None
     grouped = not (hot and hot.every)  # some experts are left to the grouped kernels
-    rotated = not grouped and DENSE_ROTATE  # dense_gemm finishes every product: the epilogues skip H_128 and svh
     chunks = _without(r.chunks, hot, E) if hot and grouped else r.chunks
-    up_split, down_split = (up_launch.split, down_launch.split) if grouped else (1, 1)  # K splits of the partials
-    pg = torch.empty(up_split, P, g.n, device=dev, dtype=torch.float32)
+    pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
     pu = torch.empty_like(pg)
     if grouped:
         _gemm(a0, a1, chunks, g, pg, pu, experts.up, up_launch)
-    _dense_products(hot, a0, a1, g, experts.up, pg, pu, rotated)
+    _dense_products(hot, a0, a1, g, experts.up, pg, pu)
     mid = torch.empty(P, g.n, device=dev, dtype=_act_dtype(down_launch))
     BM = epilogue_rows(P)
     act_epilogue[(-(-P // BM), g.n // 128)](pg, pu, r.sorted_expert, g.svh, experts.up.svh, d.suh, _had(str(dev)),
                                             mid, P, g.n, experts.intermediate, E, float(limit or 0.0),
-                                            HAS_LIMIT=limit is not None, SPLIT=up_split, BM=BM,
-                                            ROTATED=rotated)
-    pd = torch.empty(down_split, P, d.n, device=dev, dtype=torch.float32)
+                                            HAS_LIMIT=limit is not None, SPLIT=up_launch.split, BM=BM)
+    pd = torch.empty(down_launch.split, P, d.n, device=dev, dtype=torch.float32)
     if grouped:
         _gemm(mid, mid, chunks, d, pd, None, None, down_launch)
-    _dense_products(hot, mid, None, d, None, pd, None, rotated)
+    _dense_products(hot, mid, None, d, None, pd, None)
     out = torch.empty(M, experts.hidden, device=dev, dtype=x.dtype)
     BM = epilogue_rows(M)
     combine_epilogue[(-(-M // BM), d.n // 128)](pd, r.slot_pos, r.slot_expert, topk_weights.reshape(-1), d.svh,
                                                 _had(str(dev)), out, M, P, d.n, experts.hidden, TOPK=top_k,
-                                                SPLIT=down_split, BM=BM, ROTATED=rotated)
+                                                SPLIT=down_launch.split, BM=BM)
     return out

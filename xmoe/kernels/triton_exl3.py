@@ -283,11 +283,9 @@ def linear_epilogue(p_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, n_out,
 
 @triton.jit
 def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, had_ptr, out_ptr,
-                 P, n, n_real, E, limit, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                 ROTATED: tl.constexpr = False):
-    """The middle of a MoE expert, per sorted slot: g, u = H(gate), H(up) scaled by svh (ROTATED: done already,
-    by dense_gemm); a = SiLU(g) u (SwiGLU-clamped with a limit); out = H(a * suh_down) in out's dtype, the down
-    projection's rotated input."""
+                 P, n, n_real, E, limit, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
+    """The middle of a MoE expert, per sorted slot: g, u = H(gate), H(up) scaled by svh; a = SiLU(g) u
+    (SwiGLU-clamped with a limit); out = H(a * suh_down) in out's dtype, the down projection's rotated input."""
     pos = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
@@ -295,11 +293,10 @@ def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, ha
     live = (pos < P) & (e < E)
     mask = live[:, None]
     vec = e[:, None] * n + cols[None, :]
-    g = _split_sum(pg_ptr, pos, cols, mask, P, n, SPLIT)
-    u = _split_sum(pu_ptr, pos, cols, mask, P, n, SPLIT)
-    if not ROTATED:
-        g = rotate_out(g, had) * tl.load(svh_g_ptr + vec, mask=mask, other=0.0).to(tl.float32)
-        u = rotate_out(u, had) * tl.load(svh_u_ptr + vec, mask=mask, other=0.0).to(tl.float32)
+    g = rotate_out(_split_sum(pg_ptr, pos, cols, mask, P, n, SPLIT), had)
+    g = g * tl.load(svh_g_ptr + vec, mask=mask, other=0.0).to(tl.float32)
+    u = rotate_out(_split_sum(pu_ptr, pos, cols, mask, P, n, SPLIT), had)
+    u = u * tl.load(svh_u_ptr + vec, mask=mask, other=0.0).to(tl.float32)
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -312,10 +309,8 @@ def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, ha
 
 @triton.jit
 def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr, had_ptr, out_ptr,
-                     M, P, n, n_out, TOPK: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr,
-                     ROTATED: tl.constexpr = False):
-    """out[t] = sum over t's slots j, in order, of w[t, j] * H(down partials of the slot) * svh_down[e]
-    (ROTATED: the partials hold H(.) * svh already, from dense_gemm)."""
+                     M, P, n, n_out, TOPK: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
+    """out[t] = sum over t's slots j, in order, of w[t, j] * H(down partials of the slot) * svh_down[e]."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
@@ -326,10 +321,8 @@ def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr,
         live = (rows < M) & (e >= 0)
         pos = tl.load(slot_pos_ptr + slot, mask=live, other=0)
         w = tl.load(weight_ptr + slot, mask=live, other=0.0).to(tl.float32)
-        y = _split_sum(pd_ptr, pos, cols, live[:, None], P, n, SPLIT)
-        if not ROTATED:
-            y = rotate_out(y, had) * tl.load(svh_ptr + e[:, None] * n + cols[None, :], mask=live[:, None],
-                                             other=0.0).to(tl.float32)
+        y = rotate_out(_split_sum(pd_ptr, pos, cols, live[:, None], P, n, SPLIT), had)
+        y = y * tl.load(svh_ptr + e[:, None] * n + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         acc += y * w[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * n_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(rows < M)[:, None] & (cols < n_out)[None, :])
@@ -358,17 +351,12 @@ def decode_weights(t_ptr, expert_ptr, table_ptr, out_ptr, k, n, stride_te, W: tl
 
 
 @triton.jit
-def _dense_store(acc, p_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_slot_ptr, ids_ptr, svh_ptr, had_ptr, pid_c, pid_n,
-                 P, n, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ROTATE: tl.constexpr):
+def _dense_store(acc, p_ptr, chunk_pos_ptr, chunk_len_ptr, pid_c, pid_n, P, n, SPLIT: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr):
     """p[0, pos] = acc for the chunk's live rows and columns, and p[1:, pos] = 0 (the K splits the grouped
-    kernels would have written). ROTATE: acc is first finished as the epilogues would, H_128 per 128 columns
-    and the expert's svh, so they skip their rotation (every expert of the call dense)."""
+    kernels would have written)."""
     pos = (tl.load(chunk_pos_ptr + pid_c) + tl.arange(0, BM)).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
-    if ROTATE:
-        acc = tl.reshape(rotate_out(tl.reshape(acc, (BM * (BN // 128), 128)), load_had(had_ptr)), (BM, BN))
-        e = tl.load(ids_ptr + tl.load(chunk_slot_ptr + pid_c)).to(tl.int64)
-        acc = acc * tl.load(svh_ptr + e * n + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
     mask = (tl.arange(0, BM) < tl.load(chunk_len_ptr + pid_c))[:, None] & (cols < n)[None, :]
     tl.store(p_ptr + pos[:, None] * n + cols[None, :], acc, mask=mask)
     for s in tl.static_range(1, SPLIT):
@@ -376,12 +364,11 @@ def _dense_store(acc, p_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_slot_ptr, ids_p
 
 
 @triton.jit
-def dense_gemm(a_ptr, w_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_slot_ptr, ids_ptr, svh_ptr, had_ptr, p_ptr, P, k,
-               n, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROTATE: tl.constexpr):
+def dense_gemm(a_ptr, w_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_slot_ptr, p_ptr, P, k, n, SPLIT: tl.constexpr,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """p[0, pos] = a[pos] @ w[j] in fp32, and p[1:, pos] = 0, for the rows of one chunk (positions pos0 ..
-    pos0+len-1 that share the decoded weights w[j], (k, n) fp16, from decode_weights, of expert ids[j]): a group
-    of hot experts in one launch. Chunks vary fastest, so the chunks of one expert read each weight block while
-    it is in L2. ROTATE: see _dense_store."""
+    pos0+len-1 that share the decoded weights w[j], (k, n) fp16, from decode_weights): a group of hot experts
+    in one launch. Chunks vary fastest, so the chunks of one expert read each weight block while it is in L2."""
     pid_c = tl.program_id(0)
     pid_n = tl.program_id(1)
     live = tl.arange(0, BM) < tl.load(chunk_len_ptr + pid_c)
@@ -395,14 +382,12 @@ def dense_gemm(a_ptr, w_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_slot_ptr, ids_p
     for step in range(0, k // BK):
         a = tl.load(a_ptr + a_off + step * BK, mask=live[:, None], other=0.0).to(tl.float16)
         acc = tl.dot(a, tl.load(w_ptr + w_off + step * BK * n, mask=inside[None, :], other=0.0), acc)
-    _dense_store(acc, p_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_slot_ptr, ids_ptr, svh_ptr, had_ptr, pid_c, pid_n,
-                 P, n, SPLIT, BM, BN, ROTATE)
+    _dense_store(acc, p_ptr, chunk_pos_ptr, chunk_len_ptr, pid_c, pid_n, P, n, SPLIT, BM, BN)
 
 
 @triton.jit
-def dense_gemm_tma(a_desc, w_desc, chunk_pos_ptr, chunk_len_ptr, chunk_slot_ptr, ids_ptr, svh_ptr, had_ptr, p_ptr,
-                   P, k, n, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   ROTATE: tl.constexpr):
+def dense_gemm_tma(a_desc, w_desc, chunk_pos_ptr, chunk_len_ptr, chunk_slot_ptr, p_ptr, P, k, n,
+                   SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """dense_gemm with the rows and weights read by tensor descriptors (a (P, k); w (experts * k, n)): on Hopper
     and later the copy engine (TMA) moves the tiles, out-of-range rows and columns read as 0."""
     pid_c = tl.program_id(0)
@@ -413,5 +398,4 @@ def dense_gemm_tma(a_desc, w_desc, chunk_pos_ptr, chunk_len_ptr, chunk_slot_ptr,
     for step in range(0, k // BK):
         a = a_desc.load([pos0, step * BK]).to(tl.float16)
         acc = tl.dot(a, w_desc.load([row0 + step * BK, pid_n * BN]), acc)
-    _dense_store(acc, p_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_slot_ptr, ids_ptr, svh_ptr, had_ptr, pid_c, pid_n,
-                 P, n, SPLIT, BM, BN, ROTATE)
+    _dense_store(acc, p_ptr, chunk_pos_ptr, chunk_len_ptr, pid_c, pid_n, P, n, SPLIT, BM, BN)
