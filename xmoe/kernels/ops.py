@@ -3,6 +3,9 @@
 Backends are chosen explicitly: "torch" (the reference, any device), "triton" (CUDA GPUs, or the CPU under
 TRITON_INTERPRET=1), or "auto", which takes Triton where it can run, says so once, and otherwise the torch
 reference. Asking for Triton where it cannot run is an error that says why; nothing falls back silently.
+
+Every launch setting the benchmarks sweep and the tests override (TUNED, FILL, DENSE_*) is a module attribute
+here, read at call time, so the code that launches with them stays in this file too (over 400 lines).
 """
 import logging
 import os
