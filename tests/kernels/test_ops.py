@@ -34,9 +34,10 @@ def check_linear(M, k, n, K, codebook, bias, device, dtype=torch.float16):
     close(got, exl3_linear_ref(x.float(), w, b), f"linear M={M} {k}x{n} K={K} {codebook}")
 
 
-def check_moe(M, E, hidden, inter, top_k, K, codebook, skew, device, limit=None, ep=False, K_down=None):
+def check_moe(M, E, hidden, inter, top_k, K, codebook, skew, device, limit=None, ep=False, K_down=None,
+              dtype=torch.float16):
     ids, weights = routing(M, E, top_k, skew, seed=M, device=device)
-    x = torch.randn(M, hidden, generator=torch.Generator().manual_seed(E)).to(device, torch.float16)
+    x = torch.randn(M, hidden, generator=torch.Generator().manual_seed(E)).to(device, dtype)
     emap = None
     n_local = E
     if ep:  # this rank owns the middle half of the experts
@@ -47,6 +48,7 @@ def check_moe(M, E, hidden, inter, top_k, K, codebook, skew, device, limit=None,
     experts = random_experts(n_local, hidden, inter, K, codebook, K_down, seed=E, device=device)
     got = ops.fused_moe(x, ids, weights, experts, limit=limit, expert_map=emap, backend="triton")
     ref = fused_moe_ref(x.float(), ids, weights, experts, limit=limit, expert_map=emap)
+    assert got.dtype == dtype
     close(got, ref, f"moe M={M} E={E} {hidden}/{inter} top{top_k} K={K} {codebook} skew={skew} ep={ep}")
 
 
@@ -72,8 +74,11 @@ def test_linear_interpreter():
 
 
 def test_moe_interpreter():
+    """The small MoE grid, and bf16 inputs (vLLM's usual dtype) on the decode and the dense prefill paths."""
     pytest.importorskip("triton")
-    run_interpreted("\n".join(f"check_moe(**{c}, device='cpu')" for c in SMALL_MOE))
+    run_interpreted("\n".join([*(f"check_moe(**{c}, device='cpu')" for c in SMALL_MOE),
+                               f"check_moe(**{SMALL_MOE[0]}, device='cpu', dtype=torch.bfloat16)",
+                               "ops.DENSE_ROWS = 1", f"check_moe(**{SMALL_MOE[2]}, device='cpu', dtype=torch.bfloat16)"]))
 
 
 def test_gather_decoder_interpreter():
