@@ -78,7 +78,8 @@ def test_moe_interpreter():
     pytest.importorskip("triton")
     run_interpreted("\n".join([*(f"check_moe(**{c}, device='cpu')" for c in SMALL_MOE),
                                f"check_moe(**{SMALL_MOE[0]}, device='cpu', dtype=torch.bfloat16)",
-                               "ops.DENSE_ROWS = 1", f"check_moe(**{SMALL_MOE[2]}, device='cpu', dtype=torch.bfloat16)"]))
+                               "ops.DENSE_ROWS = 1",
+                               f"check_moe(**{SMALL_MOE[2]}, device='cpu', dtype=torch.bfloat16)"]))
 
 
 def test_gather_decoder_interpreter():
