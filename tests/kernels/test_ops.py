@@ -239,17 +239,18 @@ def test_moe_cuda_graph_replay_equals_eager():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     experts = random_experts(64, 1024, 512, 2, "mcg", device="cuda")
-    ids, weights = routing(6, 64, 6, False, device="cuda")
-    x = torch.randn(6, 1024, device="cuda", dtype=torch.float16)
-    ops.fused_moe(x, ids, weights, experts, backend="triton")  # compiles before the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = ops.fused_moe(x, ids, weights, experts, backend="triton")
-    for seed in range(3):  # new routing and inputs each replay, written into the captured buffers
-        new_ids, new_w = routing(6, 64, 6, True, seed=seed + 1, device="cuda")
-        ids.copy_(new_ids), weights.copy_(new_w), x.normal_()
-        graph.replay()
-        assert torch.equal(out, ops.fused_moe(x, ids, weights, experts, backend="triton"))
+    for M in (6, 48):  # one-launch routing (36 slots), sorted routing (288)
+        ids, weights = routing(M, 64, 6, False, device="cuda")
+        x = torch.randn(M, 1024, device="cuda", dtype=torch.float16)
+        ops.fused_moe(x, ids, weights, experts, backend="triton")  # compiles before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.fused_moe(x, ids, weights, experts, backend="triton")
+        for seed in range(3):  # new routing and inputs each replay, written into the captured buffers
+            new_ids, new_w = routing(M, 64, 6, True, seed=seed + 1, device="cuda")
+            ids.copy_(new_ids), weights.copy_(new_w), x.normal_()
+            graph.replay()
+            assert torch.equal(out, ops.fused_moe(x, ids, weights, experts, backend="triton")), M
 
 
 @pytest.mark.gpu
