@@ -313,19 +313,19 @@ def _dense_products(hot: Hot | None, a0, a1, w: Exl3Weight, second: Exl3Weight |
     matmul per expert made prefill host-bound (72 of them at 1,542 skewed tokens)."""
     if hot is None:
         return
+    from triton.tools.tensor_descriptor import TensorDescriptor
     from .triton_exl3 import dense_gemm, dense_gemm_tma
     BM, BN, BK, warps, stages = _dense_tile(a0.device)
     tma = _tma(a0.device)
-    pairs = [(a0, w, p0)] + ([(a1, second, p1)] if second is not None else [])
+    kernel = dense_gemm_tma if tma else dense_gemm
+
+    def operand(t: torch.Tensor, block: list):  # a 2-D matrix as the kernel reads it
+        return TensorDescriptor.from_tensor(t, block) if tma else t
+
+    pairs = [(operand(a0, [BM, BK]), w, p0)] + ([(operand(a1, [BM, BK]), second, p1)] if second is not None else [])
     for ids, pos, length, slot in hot.groups:
         for a, wt, p in pairs:
-            dense = decode_experts(wt, ids)
-            if tma:
-                from triton.tools.tensor_descriptor import TensorDescriptor
-                kernel, a, dense = dense_gemm_tma, TensorDescriptor.from_tensor(a, [BM, BK]), \
-                    TensorDescriptor.from_tensor(dense.view(-1, wt.n), [BK, BN])
-            else:
-                kernel = dense_gemm
+            dense = operand(decode_experts(wt, ids).view(-1, wt.n), [BK, BN])  # (experts * k, n)
             kernel[(len(pos), -(-wt.n // BN))](a, dense, pos, length, slot, p, p.shape[1], wt.k, wt.n,
                                                SPLIT=p.shape[0], BM=BM, BN=BN, BK=BK, num_warps=warps,
                                                num_stages=stages)
