@@ -57,9 +57,11 @@ def main():
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
     p.add_argument("--gemv-rows", type=float, default=ops.GEMV_ROWS,
                    help="rows up to which tiled launches take grouped_gemv (ops.GEMV_ROWS; 0: never)")
+    p.add_argument("--mma-rows", type=float, default=ops.MMA_ROWS,
+                   help="rows up to which grouped_mma takes the call (ops.MMA_ROWS; 0: never)")
     p.add_argument("--json")
     args = p.parse_args()
-    ops.DECODER, ops.GEMV_ROWS = args.decoder, args.gemv_rows
+    ops.DECODER, ops.GEMV_ROWS, ops.MMA_ROWS = args.decoder, args.gemv_rows, args.mma_rows
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")

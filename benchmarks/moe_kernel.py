@@ -198,7 +198,8 @@ def sweep(experts, dev, tokens, grid, best_path=None, skew=False):
     for T in tokens:
         ids, weights = routing(T, E, TOPK, skew, seed=T, device=dev)
         x = torch.randn(T, H, device=dev, dtype=torch.half)
-        mode = ops.regime(T * TOPK / ops.expected_experts(T * TOPK, E), tiled)  # as fused_moe plans it
+        mma = tiled and ops.mma_refusal(experts.gate, dev) is None
+        mode = ops.regime(T * TOPK / ops.expected_experts(T * TOPK, E), tiled, mma)  # as fused_moe plans it
         for *cfg, fill in itertools.product(grid["bm"], grid["bk"], grid["bn"], grid["warps"], grid["stages"],
                                             grid["fill"] or [None]):
             cfg, ops.FILL = tuple(cfg), dict.fromkeys(ops.FILL, fill) if fill else dict(default_fill)
@@ -261,6 +262,8 @@ def main():
                    help="regimes whose tiled launches multiply W^T a^T (ops.SWAP_AB)")
     p.add_argument("--gemv-rows", type=float, default=ops.GEMV_ROWS,
                    help="rows per chunk up to which tiled launches take grouped_gemv (ops.GEMV_ROWS; 0: never)")
+    p.add_argument("--mma-rows", type=float, default=ops.MMA_ROWS,
+                   help="rows per chunk up to which grouped_mma takes the call (ops.MMA_ROWS; 0: never)")
     p.add_argument("--dense-rows", type=int, default=ops.DENSE_ROWS,
                    help="rows from which an expert is decoded once and multiplied densely (ops.DENSE_ROWS)")
     p.add_argument("--dense-group", type=int, default=ops.DENSE_GROUP,
@@ -272,6 +275,7 @@ def main():
     ops.DENSE_ROWS, ops.DENSE_TILE, ops.DENSE_GROUP = args.dense_rows, tuple(args.dense_tile), args.dense_group
     ops.DENSE_TMA = bool(args.dense_tma)
     ops.DECODER, ops.SWAP_AB, ops.GEMV_ROWS = args.decoder, set(args.swap), args.gemv_rows
+    ops.MMA_ROWS = args.mma_rows
     if args.fill and not args.sweep:
         ops.FILL = dict.fromkeys(ops.FILL, args.fill[0])
     if args.tuned:

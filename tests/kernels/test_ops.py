@@ -207,14 +207,16 @@ GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
            dict(M=12, E=32, hidden=300, inter=200, top_k=4, K=2, codebook="mul1", skew=False, K_down=3)]
 
 
-@pytest.fixture(params=["gather", "tiled", "tiled-swap", "tiled-gemv"])
+@pytest.fixture(params=["gather", "tiled", "tiled-swap", "tiled-gemv", "tiled-mma"])
 def decoder(request, monkeypatch):
     """The default launches, and each path on every case: gather, tiled on tensor cores (plain or swapped
-    operands), tiled on CUDA cores (grouped_gemv, chunks of up to 2 rows)."""
+    operands), tiled on CUDA cores (grouped_gemv, chunks of up to 2 rows), tiled on mma.sync (grouped_mma,
+    chunks of up to 8 rows, where it can run)."""
     monkeypatch.setattr(ops, "DECODER", request.param.split("-")[0])
     if request.param != "tiled":
         monkeypatch.setattr(ops, "SWAP_AB", {"decode", "prefill"} if request.param.endswith("swap") else set())
         monkeypatch.setattr(ops, "GEMV_ROWS", float("inf") if request.param.endswith("gemv") else 0)
+        monkeypatch.setattr(ops, "MMA_ROWS", float("inf") if request.param.endswith("mma") else 0)
     return request.param
 
 

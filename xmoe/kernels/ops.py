@@ -71,6 +71,7 @@ class Launch:
     tiled: bool = False  # decode_tiles (K = 1, 2, 4, 8: each tile's words loaded once), else per-weight gathers
     swap: bool = False  # tiled only: W^T a^T, the decoded weights as the MMA's wide first operand
     gemv: bool = False  # tiled only, BM 1 or 2: grouped_gemv, products on CUDA cores instead of tensor cores
+    mma: bool = False  # BM 8: gluon_mma's grouped_mma, weights decoded into mma.sync registers (CUDA, 3INST/MCG)
 
 
 # (BM, BK, BN, warps, stages) per row regime and decoder, from timed sweeps on an H200 at DeepSeek-V4.1 shapes
@@ -85,7 +86,10 @@ SWAP_AB = {"decode"}
 # with more rows is decoded again for every 2. On the H200 at V4.1 shapes (two runs): up to 12 tokens, where it
 # is 1.4x the tensor cores on uniform routing and 0.9x on skewed; from 24 tokens it loses 1.7x and more on skewed.
 GEMV_ROWS = 1.12
-TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
+# Expected rows per chunk up to which grouped_mma (chunks of 8 rows on mma.sync, gluon_mma) takes the call where
+# it can run; 0 turns it off.
+MMA_ROWS = 8
+TUNED = {("mma", True): (8, 32, 128, 4, 1), ("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
          ("gemv", True): (2, 64, 64, 4, 1), ("decode", True): (16, 64, 64, 4, 2),
          ("prefill", True): (64, 64, 128, 4, 1)}
 
@@ -101,12 +105,14 @@ DENSE_REST = 8
 EPILOGUE_SMALL = 256  # rows up to which the prologue and epilogues take 16 rows a program (epilogue_rows)
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
 # finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16).
-FILL = {"gemv": 32, "decode": 4, "prefill": 4}
+FILL = {"mma": 16, "gemv": 32, "decode": 4, "prefill": 4}
 
 
-def regime(rows_per_chunk: float, tiled: bool = True) -> str:
-    """The row regime, the key of TUNED and SWAP_AB: "gemv" (tiled decoder only) for about one row per weight,
-    "decode" for a few, else "prefill"."""
+def regime(rows_per_chunk: float, tiled: bool = True, mma: bool = False) -> str:
+    """The row regime, the key of TUNED and SWAP_AB: "mma" (where grouped_mma can run) up to MMA_ROWS rows per
+    chunk, "gemv" (tiled decoder only) for about one row per weight, "decode" for a few, else "prefill"."""
+    if mma and rows_per_chunk <= MMA_ROWS:
+        return "mma"
     if tiled and rows_per_chunk <= GEMV_ROWS:
         return "gemv"
     return "decode" if rows_per_chunk <= 16 else "prefill"
@@ -122,16 +128,30 @@ def _klog(K: float, tiled: bool) -> int:
     return int(K).bit_length() - 1 if tiled else 1
 
 
-def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float = 2, gemv: bool = True) -> Launch:
-    """Tile sizes by regime (gemv=False: never grouped_gemv); enough K splits to give each multiprocessor about
-    FILL programs."""
+def mma_refusal(w: Exl3Weight, device: torch.device) -> str | None:
+    """Why grouped_mma cannot take w's products on `device`, or None when it can."""
+    if device.type != "cuda":
+        return "Gluon kernels run on CUDA GPUs only"
+    if not (_tiled(w.K) and w.K <= 4 and w.codebook in ("3inst", "mcg")):
+        return f"K = {w.K} with the {w.codebook} codebook (it decodes 3INST and MCG at K = 1, 2, 4)"
+    try:
+        from triton.experimental import gluon  # noqa: F401
+    except ImportError:
+        return "this Triton has no Gluon"
+    return None
+
+
+def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float = 2, gemv: bool = True,
+         mma: bool = False) -> Launch:
+    """Tile sizes by regime (gemv=False: never grouped_gemv or grouped_mma; mma: grouped_mma can run); enough K
+    splits to give each multiprocessor about FILL programs."""
     tiled = _tiled(K)
-    mode = regime(rows_per_chunk, tiled and gemv)
+    mode = regime(rows_per_chunk, tiled and gemv, tiled and gemv and mma)
     BM, BK, BN, warps, stages = TUNED[mode, tiled]
     BN = min(BN, n)
     programs = max(chunks, 1) * (n // BN)
     split = max(1, min(k // BK, 16, -(-FILL[mode] * sms // programs)))  # epilogues read every split
-    return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and mode in SWAP_AB, mode == "gemv")
+    return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and mode in SWAP_AB, mode == "gemv", mode == "mma")
 
 
 @lru_cache(maxsize=None)
@@ -159,8 +179,8 @@ def epilogue_rows(rows: int) -> int:
 
 
 def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int, launch: Launch):
-    """Rotated inputs (P, k): H_128 (x[rows[pos]] * suh[expert[pos]]), and the same with second's suh; fp16
-    for tensor cores, fp32 for grouped_gemv (no conversion in its inner loop)."""
+    """Rotated inputs (P, k): H_128 (x[rows[pos]] * suh[expert[pos]]), and the same with second's suh, in
+    _act_dtype."""
     from .triton_exl3 import rotate_rows
     a0 = torch.empty(P, w.k, device=x.device, dtype=_act_dtype(launch))
     a1 = torch.empty_like(a0) if second is not None else a0
@@ -173,7 +193,9 @@ def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int, l
 
 
 def _act_dtype(launch: Launch) -> torch.dtype:
-    return torch.float32 if launch.gemv else torch.float16
+    """The GEMMs' activations: fp16 for tensor cores, fp32 for grouped_gemv (no conversion in its inner loop),
+    int32 for grouped_mma (fp16 doubled, as_operand: each value already the pair of K rows its MMA reads)."""
+    return torch.float32 if launch.gemv else torch.int32 if launch.mma else torch.float16
 
 
 def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, launch: Launch):
@@ -187,6 +209,13 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
     other = (second if second is not None else w).trellis.view(torch.int32)
     grid = (bound, w.n // launch.BN, launch.split)
     tiled = launch.tiled and _tiled(w.K)
+    if launch.mma:
+        from .gluon_mma import grouped_mma
+        grouped_mma[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0,
+                          p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], K=int(w.K),
+                          CB=CODEBOOK_ID[w.codebook], DUAL=second is not None, BN=launch.BN, BK=launch.BK,
+                          SPLIT=launch.split, num_warps=launch.warps)
+        return
     if tiled and launch.gemv:
         grouped_gemv[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0,
                            p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], CB=CODEBOOK_ID[w.codebook],
@@ -387,11 +416,11 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     from .triton_exl3 import linear_epilogue
     a = _padded_rows(x, w.k)
     M = a.shape[0]
-    launch = plan(-(-M // 16), w.n, w.k, M, _sms(x.device), w.K)
+    launch = plan(-(-M // 16), w.n, w.k, M, _sms(x.device), w.K, mma=mma_refusal(w, x.device) is None)
     dev = x.device
     chunks, rows, zeros = _row_chunks(M, launch.BM, dev)
     a0, _ = _rotate(a, rows, zeros, w, None, M, launch)
-    if _dense_call(M, dev):  # decoded once for all rows
+    if _dense_call(M, dev) and not launch.mma:  # decoded once for all rows
         part = torch.empty(1, M, w.n, device=dev, dtype=torch.float32)
         _mm32(a0, decode_experts(w, zeros[:1])[0], part[0])
     else:
@@ -424,14 +453,15 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     g, d = experts.gate, experts.down
     sms = _sms(dev)
     unique = expected_experts(P, E)
-    up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K)
-    down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K)
-    if up_launch.gemv != down_launch.gemv:  # mixed K: one chunking serves both GEMMs, so tensor cores for both
+    mma = mma_refusal(g, dev) is None and mma_refusal(d, dev) is None
+    up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K, mma=mma)
+    down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, mma=mma)
+    if (up_launch.gemv, up_launch.mma) != (down_launch.gemv, down_launch.mma):  # mixed K: one chunking serves both GEMMs, so tensor cores for both
         up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K, gemv=False)
         down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, gemv=False)
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
-    runs = _runs_to_host(r, E) if _dense_call(M, dev) else None
+    runs = _runs_to_host(r, E) if _dense_call(M, dev) and not up_launch.mma else None
     # the GPU rotates while the host waits for the runs and builds the tables of the dense experts
     a0, a1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
     hot = _hot_experts(runs, E, _dense_tile(dev)[0], dev) if runs is not None else None

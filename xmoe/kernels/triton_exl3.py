@@ -153,6 +153,16 @@ def rotate_out(acc, had, EXACT: tl.constexpr = True):
 
 
 @triton.jit
+def as_operand(y, dtype: tl.constexpr):
+    """y stored as the next GEMM reads it: in `dtype`, where int32 means fp16 doubled (y in both halves, each
+    value as the two K rows of grouped_mma's operand)."""
+    if dtype == tl.int32:
+        h = y.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        return (h | (h << 16)).to(tl.int32, bitcast=True)
+    return y.to(dtype)
+
+
+@triton.jit
 def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr, out1_ptr, had_ptr, P, k, E,
                 stride_se, DUAL: tl.constexpr, BM: tl.constexpr):
     """out[pos] = H_128 (x[rows[pos]] * suh[expert[pos]]) in out's dtype, per 128-column block: the rotated
@@ -167,12 +177,12 @@ def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr,
     had = load_had(had_ptr)
     vec = e[:, None] * stride_se + cols[None, :]
     out = pos.to(tl.int64)[:, None] * k + cols[None, :]
-    exact: tl.constexpr = out0_ptr.dtype.element_ty != tl.float16
-    y = rotate_out(x * tl.load(s0_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, exact)
-    tl.store(out0_ptr + out, y.to(out0_ptr.dtype.element_ty), mask=mask)
+    dtype: tl.constexpr = out0_ptr.dtype.element_ty
+    y = rotate_out(x * tl.load(s0_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, dtype == tl.float32)
+    tl.store(out0_ptr + out, as_operand(y, dtype), mask=mask)
     if DUAL:
-        y = rotate_out(x * tl.load(s1_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, exact)
-        tl.store(out1_ptr + out, y.to(out1_ptr.dtype.element_ty), mask=mask)
+        y = rotate_out(x * tl.load(s1_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, dtype == tl.float32)
+        tl.store(out1_ptr + out, as_operand(y, dtype), mask=mask)
 
 
 @triton.jit
@@ -303,8 +313,9 @@ def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, ha
     a = g / (1.0 + tl.exp(-g)) * u
     a = tl.where((cols < n_real)[None, :], a, 0.0)  # padded intermediate columns feed the down projection as 0
     a = a * tl.load(suh_d_ptr + vec, mask=mask, other=0.0).to(tl.float32)
-    a = rotate_out(a, had, out_ptr.dtype.element_ty != tl.float16)
-    tl.store(out_ptr + pos.to(tl.int64)[:, None] * n + cols[None, :], a.to(out_ptr.dtype.element_ty), mask=mask)
+    a = rotate_out(a, had, out_ptr.dtype.element_ty == tl.float32)
+    tl.store(out_ptr + pos.to(tl.int64)[:, None] * n + cols[None, :], as_operand(a, out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit

@@ -1,0 +1,182 @@
+"""The decode-size grouped EXL3 GEMM on tensor cores without shared memory, in Gluon (sm_80+).
+
+The format gives lane L of a warp the eight weights at trellis positions 8L..8L+7 of each 16x16 tile, which are
+the registers of an mma.sync fragment. Written in Gluon, where layouts are explicit, each lane decodes exactly
+those weights into the registers of the MMA's A operand (the weights as W^T, the rows as B), so nothing passes
+through shared memory. Each weight enters the MMA as its codebook word's two fp16 halves on two K rows, against
+the activation doubled, so the tensor cores add the halves: per weight only the state's funnel shift and mask,
+the codebook's IMAD and LOP3 remain. A chunk carries up to 8 rows of one expert (the MMA's N), each decoded
+weight serving all of them. 3INST and MCG at K = 1, 2, 4; other cases take triton_gemv or triton_exl3.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+ROWS = 8  # rows per chunk: the MMA's N
+
+
+@gluon.constexpr_function
+def tile_layout(TN, TK, warps):
+    """Decoded weights as (nt, c3, g, kt, j, r0, t): output column 16 nt + 8 c3 + g, MMA slot 16 kt + 8 j + 4 r0 + t
+    (input row 16 kt + 8 j + 2 t + r0), so lane 4 g + t holds the 8 weights (c3, j, r0) of its trellis positions
+    and, reshaped to (BN, BK) and paired with halves, the layout is the mma.sync A operand's (warps along N)."""
+    return gl.BlockedLayout([1, 2, 1, TK, 2, 2, 1], [1, 1, 8, 1, 1, 1, 4], [warps, 1, 1, 1, 1, 1, 1],
+                            [1, 5, 4, 3, 6, 2, 0])
+
+
+@gluon.constexpr_function
+def act_layout(BK, warps):
+    """Activations as (J, t, r0, m): input row 8 J + 2 t + r0 of row m of the chunk, every warp a copy; permuted to
+    slot order (J, r0, t, m) and doubled, the mma.sync B operand's layout."""
+    return gl.BlockedLayout([BK // 8, 1, 2, 1], [1, 4, 1, 8], [1, 1, 1, warps], [2, 0, 1, 3])
+
+
+@gluon.constexpr_function
+def along(layout, rank, dim):
+    """The 1-D layout of `layout`'s axis `dim`: every other axis sliced off."""
+    for d in reversed(range(rank)):
+        if d != dim:
+            layout = gl.SliceLayout(d, layout)
+    return layout
+
+
+@gluon.jit
+def axis(size: gl.constexpr, dim: gl.constexpr, rank: gl.constexpr, layout: gl.constexpr):
+    """0..size-1 along axis `dim` of a rank-`rank` tensor of `layout`, size 1 on the other axes."""
+    x = gl.arange(0, size, layout=along(layout, rank, dim))
+    for d in gl.static_range(rank):
+        if d != dim:
+            x = gl.expand_dims(x, d)
+    return x
+
+
+@gluon.jit
+def funnel(lo, hi, shift):
+    """The low 32 bits of hi:lo >> shift (0..31), in one instruction."""
+    return gl.inline_asm_elementwise("shf.r.wrap.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, shift],
+                                     dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def from_lane(x, src):
+    """Each lane's x from lane `src` of its warp (every lane takes part)."""
+    return gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r", [x, src],
+                                     dtype=gl.uint32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def lane_states(lo, hi, shift, t, q, K: gl.constexpr):
+    """The 16-bit states of each lane's 8 weights q from its words. At K = 2 they all lie in one 30-bit window
+    (hi:lo >> 16 for even lanes, lo for odd ones), state q ending 14 - 2 q bits up: shifted to the top and back
+    down, by constants, and the left shift can go to the FMA pipe (IMAD.SHL) while the integer pipe is busy."""
+    if K == 2:
+        window = funnel(lo, hi, (16 - 16 * (t & 1)).to(gl.uint32))
+        top = gl.inline_asm_elementwise("mul.lo.u32 $0, $1, $2;", "=r,r,r", [window, (4 << (2 * q)).to(gl.uint32)],
+                                        dtype=gl.uint32, is_pure=True, pack=1)  # << 2 + 2q, as a multiply
+        return top >> 16
+    return funnel(lo, hi, shift) & 0xFFFF
+
+
+@gluon.jit
+def decode_operand(state, mask, CB: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, A: gl.constexpr):
+    """The (BN, 2 BK) fp16 A operand of a block from its states: each weight's codebook word split in halves."""
+    if CB == 0:
+        x = state * 89226354 + 64248484
+    else:
+        x = state * 0xCBAC1FED
+    low, high = halves(gl.reshape((x & mask) ^ 0x3B603B60, [BN, BK]))
+    return gl.convert_layout(gl.reshape(gl.join(low, high), [BN, 2 * BK]), A, assert_trivial=True)
+
+
+@gluon.jit
+def halves(x):
+    """uint32 words as their (low, high) fp16 halves."""
+    return ((x & 0xFFFF).to(gl.uint16).to(gl.float16, bitcast=True),
+            (x >> 16).to(gl.uint16).to(gl.float16, bitcast=True))
+
+
+@gluon.jit
+def act_operand(x, BK: gl.constexpr, B: gl.constexpr):
+    """The (2 BK, 8) B operand from (BK/8, 4, 2, 8) doubled activations (int32: an fp16 value in both halves):
+    slot order, each value on two K rows."""
+    low, high = halves(gl.reshape(gl.permute(x, [0, 2, 1, 3]), [BK, 8]).to(gl.uint32, bitcast=True))
+    x = gl.reshape(gl.permute(gl.join(low, high), [0, 2, 1]), [2 * BK, 8])
+    return gl.convert_layout(x, B, assert_trivial=True)
+
+
+@gluon.jit
+def load_step(words, rows, step, stride_step, lo_off, a_off, a_mask, BK: gl.constexpr):
+    """One K step's trellis words (the one each lane's states end in) and activations."""
+    lo = gl.load(words + step * stride_step + lo_off).to(gl.uint32, bitcast=True)
+    return lo, gl.load(rows + a_off + step * BK, mask=a_mask, other=0)
+
+
+@gluon.jit
+def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, n_chunks_ptr, t0_ptr, t1_ptr,
+                p0_ptr, p1_ptr, P, k, n, stride_te, mask, W: gl.constexpr, K: gl.constexpr, CB: gl.constexpr,
+                DUAL: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr):
+    """grouped_gemv's contract (rotated rows as doubled fp16, triton_exl3.as_operand; chunks of up to ROWS
+    rows; fp32 partials per K split) on mma.sync. The (chunk, column block, K split) program's warps each take 16 of every 16 * warps columns."""
+    warps: gl.constexpr = gl.num_warps()
+    TN: gl.constexpr = BN // 16
+    TK: gl.constexpr = BK // 16
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    TILE: gl.constexpr = tile_layout(TN, TK, warps)
+    ACT: gl.constexpr = act_layout(BK, warps)
+    pid_c = gl.program_id(0)
+    if pid_c >= gl.load(n_chunks_ptr):
+        return
+    pid_n = gl.program_id(1)
+    pid_s = gl.program_id(2)
+    length = gl.load(chunk_len_ptr + pid_c)
+    pos = gl.load(chunk_pos_ptr + pid_c).to(gl.int64)
+    e = gl.load(chunk_expert_ptr + pid_c).to(gl.int64)
+    w0 = t0_ptr + e * stride_te
+    w1 = t1_ptr + e * stride_te
+
+    # each lane's words and shifts (format: the state of position p ends at stream bit K (p + 1))
+    t = axis(4, 6, 7, TILE)
+    lane = 4 * axis(8, 2, 7, TILE) + t
+    q = 4 * axis(2, 1, 7, TILE) + 2 * axis(2, 4, 7, TILE) + axis(2, 5, 7, TILE)
+    word = (K * 8 * lane) // 32  # K <= 4: all 8 states of a lane end in one word
+    shift = (32 * (word + 1) - K * (8 * lane + q + 1)).to(gl.uint32)
+    tile = axis(TK, 3, 7, TILE) * ((n // 16) * W) + (pid_n * TN + axis(TN, 0, 7, TILE)) * W
+    lo_off = tile + word
+    src = (lane + 32 - 4 // K) % 32  # the lane whose word is the one before this lane's
+
+    rows = axis(8, 3, 4, ACT)
+    a_off = (pos + rows) * k + 8 * axis(BK // 8, 0, 4, ACT) + 2 * axis(4, 1, 4, ACT) + axis(2, 2, 4, ACT)
+    a_mask = rows < length
+    steps = k // BK
+    per = gl.cdiv(steps, SPLIT)
+    first = pid_s * per
+    last = gl.minimum(steps, first + per)
+    stride_step = TK * (n // 16) * W
+    acc0 = gl.zeros([BN, 8], gl.float32, MMA)
+    acc1 = gl.zeros([BN, 8], gl.float32, MMA)
+    lo0, x0 = load_step(w0, a0_ptr, first, stride_step, lo_off, a_off, a_mask, BK)
+    lo1, x1 = lo0, x0
+    if DUAL:
+        lo1, x1 = load_step(w1, a1_ptr, first, stride_step, lo_off, a_off, a_mask, BK)
+    for step in range(first, last):  # the next step's words and rows are loaded before this step is decoded
+        nxt = gl.minimum(step + 1, last - 1)
+        next_lo0, next_x0 = load_step(w0, a0_ptr, nxt, stride_step, lo_off, a_off, a_mask, BK)
+        next_lo1, next_x1 = next_lo0, next_x0
+        if DUAL:
+            next_lo1, next_x1 = load_step(w1, a1_ptr, nxt, stride_step, lo_off, a_off, a_mask, BK)
+        w = decode_operand(lane_states(lo0, from_lane(lo0, src), shift, t, q, K), mask, CB, BN, BK, A)
+        acc0 = mma_v2(w, act_operand(x0, BK, B), acc0)
+        if DUAL:
+            w = decode_operand(lane_states(lo1, from_lane(lo1, src), shift, t, q, K), mask, CB, BN, BK, A)
+            acc1 = mma_v2(w, act_operand(x1, BK, B), acc1)
+        lo0, x0, lo1, x1 = next_lo0, next_x0, next_lo1, next_x1
+
+    cols = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)), 1)
+    out_rows = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, MMA)), 0)
+    out = (pid_s * P + pos + out_rows) * n + pid_n * BN + cols
+    out_mask = out_rows < length
+    gl.store(p0_ptr + out, acc0, mask=out_mask)
+    if DUAL:
+        gl.store(p1_ptr + out, acc1, mask=out_mask)
