@@ -1,0 +1,68 @@
+"""grouped_mma (Gluon) on any machine: its index arithmetic replayed in torch against the format, and the kernel
+compiled for sm_90 and sm_80 (Triton compiles without a GPU). The kernel asserts at compile time that no value
+moves between threads on its way into the MMA, so a layout that would need shared memory or shuffles fails here.
+Its numbers are checked on a GPU by test_ops.py (the `tiled-mma` cases) against the torch reference."""
+import pytest
+import torch
+
+from xmoe.format.trellis import tile_perm, unpack_states
+
+gluon = pytest.importorskip("triton.experimental.gluon")
+
+from triton import compile as triton_compile  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from xmoe.kernels.gluon_mma import grouped_mma  # noqa: E402
+
+def funnel(lo: int, hi: int, shift: int) -> int:
+    return ((hi << 32 | lo) >> shift) & 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_lane_states_match_the_format(K):
+    """Lane L = 4 g + t, register q = 4 c3 + 2 j + r0 (gluon_mma.tile_layout): the state the kernel derives from
+    the lane's word and its neighbour lane's, at the input row and column it assigns, is the format's."""
+    trellis = torch.randint(-32768, 32768, (16 * K,), generator=torch.Generator().manual_seed(K), dtype=torch.int16)
+    t16 = trellis.to(torch.int64) & 0xFFFF
+    words = (t16[0::2] | t16[1::2] << 16).tolist()
+    states = unpack_states(trellis, K).tolist()
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        word = K * 8 * lane // 32
+        lo, hi = words[word], words[K * 8 * ((lane + 32 - 4 // K) % 32) // 32]  # the shuffled neighbour's word
+        for q in range(8):
+            c3, j, r0 = q >> 2, (q >> 1) & 1, q & 1
+            if K == 2:
+                state = (funnel(lo, hi, 16 - 16 * (t & 1)) * (4 << 2 * q) & 0xFFFFFFFF) >> 16
+            else:
+                state = funnel(lo, hi, 32 * (word + 1) - K * (8 * lane + q + 1)) & 0xFFFF
+            row, col = 8 * j + 2 * t + r0, 8 * c3 + g  # act_layout's input row of this MMA slot; the column
+            assert tile_perm()[8 * lane + q] == 16 * row + col
+            assert state == states[8 * lane + q], (lane, q)
+
+
+POINTERS = {"a0_ptr": "*i32", "a1_ptr": "*i32", "chunk_pos_ptr": "*i32", "chunk_len_ptr": "*i32",
+            "chunk_expert_ptr": "*i32", "n_chunks_ptr": "*i32", "t0_ptr": "*i32", "t1_ptr": "*i32",
+            "p0_ptr": "*fp32", "p1_ptr": "*fp32"}
+SCALARS = {"P": "i32", "k": "i32", "n": "i32", "stride_te": "i32", "mask": "i32"}
+
+
+def compiled(K: int, CB: int, DUAL: bool, BN: int, BK: int, arch: int):
+    const = dict(W=8 * K, K=K, CB=CB, DUAL=DUAL, BN=BN, BK=BK, SPLIT=1)
+    names = [*POINTERS, *SCALARS, *const]
+    signature = {**POINTERS, **SCALARS, **dict.fromkeys(const, "constexpr")}
+    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in [*POINTERS, "k", "n", "stride_te"]}
+    src = gluon._runtime.GluonASTSource(grouped_mma, signature=signature, attrs=aligned,
+                                        constexprs={(names.index(a),): v for a, v in const.items()})
+    return triton_compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+
+@pytest.mark.parametrize("K, CB, DUAL, BN, BK, arch", [(2, 1, True, 128, 32, 90), (2, 0, False, 64, 64, 90),
+                                                        (1, 1, True, 128, 32, 90), (4, 0, True, 128, 32, 80)])
+def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch):
+    kernel = compiled(K, CB, DUAL, BN, BK, arch)
+    assert kernel.metadata.shared == 0, "a decoded weight went through shared memory"
+    ptx = kernel.asm["ptx"]
+    mmas = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
+    assert mmas == (2 if DUAL else 1) * (BN // 64) * (BK // 16) * 2, "one MMA per 16 doubled K rows and warp tile"
+    assert "shfl.sync.idx.b32" in ptx and "ld.shared" not in ptx
