@@ -149,6 +149,8 @@ def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float 
     mode = regime(rows_per_chunk, tiled and gemv, tiled and gemv and mma)
     BM, BK, BN, warps, stages = TUNED[mode, tiled]
     BN = min(BN, n)
+    while n % BN:  # n is a multiple of 128, BN a power of two: every column block whole
+        BN //= 2
     programs = max(chunks, 1) * (n // BN)
     split = max(1, min(k // BK, 16, -(-FILL[mode] * sms // programs)))  # epilogues read every split
     return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and mode in SWAP_AB, mode == "gemv", mode == "mma")
