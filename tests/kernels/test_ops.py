@@ -153,6 +153,17 @@ def test_gemv_plan():
     assert not ops.plan(36, 1152, 5120, 1.0, 132, K=3).gemv  # the gather decoder has no CUDA-core path
 
 
+def test_mma_plan(monkeypatch):
+    launch = ops.plan(36, 1152, 5120, 1.0, 132, mma=True)
+    assert launch.mma and not launch.gemv and launch.BM == 8
+    assert not ops.plan(36, 1152, 5120, 12.0, 132, mma=True).mma  # more rows per expert than a chunk holds
+    assert not ops.plan(36, 1152, 5120, 1.0, 132, K=3, mma=True).mma  # the gather decoder
+    monkeypatch.setitem(ops.TUNED, ("mma", True), (8, 32, 256, 4, 1))
+    assert ops.plan(36, 1152, 5120, 1.0, 132, mma=True).BN == 128  # 256 does not divide 1,152 columns
+    w = random_weight(256, 256, 2, "mul1")
+    assert "mul1" in ops.mma_refusal(w, torch.device("cuda")) and "CUDA" in ops.mma_refusal(w, torch.device("cpu"))
+
+
 def test_route_groups_slots_by_expert():
     ids = torch.tensor([[3, 1], [1, 0], [3, 1], [2, 3]])
     r = ops.route(ids, experts=4, BM=2)

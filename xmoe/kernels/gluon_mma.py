@@ -4,15 +4,16 @@ The format gives lane L of a warp the eight weights at trellis positions 8L..8L+
 the registers of an mma.sync fragment. Written in Gluon, where layouts are explicit, each lane decodes exactly
 those weights into the registers of the MMA's A operand (the weights as W^T, the rows as B), so nothing passes
 through shared memory. Each weight enters the MMA as its codebook word's two fp16 halves on two K rows, against
-the activation doubled, so the tensor cores add the halves: per weight only the state's funnel shift and mask,
-the codebook's IMAD and LOP3 remain. A chunk carries up to 8 rows of one expert (the MMA's N), each decoded
-weight serving all of them. 3INST and MCG at K = 1, 2, 4; other cases take triton_gemv or triton_exl3.
+the activation doubled, so the tensor cores add the halves: per weight only the state's extraction (two shifts)
+and the codebook's IMAD and LOP3 remain, half on the integer pipe and half on the FMA pipe. A chunk carries up to
+ROWS rows of one expert (the MMA's N), each decoded weight serving all of them. 3INST and MCG at K = 1, 2, 4;
+other cases take triton_gemv or triton_exl3.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-ROWS = 8  # rows per chunk: the MMA's N
+ROWS = gl.constexpr(8)  # rows per chunk: the MMA's N
 
 
 @gluon.constexpr_function
@@ -116,7 +117,8 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
                 p0_ptr, p1_ptr, P, k, n, stride_te, mask, W: gl.constexpr, K: gl.constexpr, CB: gl.constexpr,
                 DUAL: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr):
     """grouped_gemv's contract (rotated rows as doubled fp16, triton_exl3.as_operand; chunks of up to ROWS
-    rows; fp32 partials per K split) on mma.sync. The (chunk, column block, K split) program's warps each take 16 of every 16 * warps columns."""
+    rows; fp32 partials per K split) on mma.sync. In each (chunk, column block, K split) program, warp w takes
+    the 16 columns from 16 w of every 16 * warps."""
     warps: gl.constexpr = gl.num_warps()
     TN: gl.constexpr = BN // 16
     TK: gl.constexpr = BK // 16
@@ -146,7 +148,7 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
     lo_off = tile + word
     src = (lane + 32 - 4 // K) % 32  # the lane whose word is the one before this lane's
 
-    rows = axis(8, 3, 4, ACT)
+    rows = axis(ROWS, 3, 4, ACT)
     a_off = (pos + rows) * k + 8 * axis(BK // 8, 0, 4, ACT) + 2 * axis(4, 1, 4, ACT) + axis(2, 2, 4, ACT)
     a_mask = rows < length
     steps = k // BK
@@ -154,8 +156,8 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
     first = pid_s * per
     last = gl.minimum(steps, first + per)
     stride_step = TK * (n // 16) * W
-    acc0 = gl.zeros([BN, 8], gl.float32, MMA)
-    acc1 = gl.zeros([BN, 8], gl.float32, MMA)
+    acc0 = gl.zeros([BN, ROWS], gl.float32, MMA)
+    acc1 = gl.zeros([BN, ROWS], gl.float32, MMA)
     lo0, x0 = load_step(w0, a0_ptr, first, stride_step, lo_off, a_off, a_mask, BK)
     lo1, x1 = lo0, x0
     if DUAL:
@@ -174,7 +176,7 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
         lo0, x0, lo1, x1 = next_lo0, next_x0, next_lo1, next_x1
 
     cols = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)), 1)
-    out_rows = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, MMA)), 0)
+    out_rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA)), 0)
     out = (pid_s * P + pos + out_rows) * n + pid_n * BN + cols
     out_mask = out_rows < length
     gl.store(p0_ptr + out, acc0, mask=out_mask)

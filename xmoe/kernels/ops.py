@@ -89,8 +89,8 @@ GEMV_ROWS = 1.12
 # Expected rows per chunk up to which grouped_mma (chunks of 8 rows on mma.sync, gluon_mma) takes the call where
 # it can run; 0 turns it off.
 MMA_ROWS = 8
-TUNED = {("mma", True): (8, 32, 128, 4, 1), ("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
-         ("gemv", True): (2, 64, 64, 4, 1), ("decode", True): (16, 64, 64, 4, 2),
+TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
+         ("mma", True): (8, 32, 128, 4, 1), ("gemv", True): (2, 64, 64, 4, 1), ("decode", True): (16, 64, 64, 4, 2),
          ("prefill", True): (64, 64, 128, 4, 1)}
 
 
@@ -212,7 +212,9 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
     grid = (bound, w.n // launch.BN, launch.split)
     tiled = launch.tiled and _tiled(w.K)
     if launch.mma:
-        from .gluon_mma import grouped_mma
+        from .gluon_mma import ROWS, grouped_mma
+        if launch.BM > ROWS:
+            raise ValueError(f"grouped_mma takes chunks of up to {ROWS} rows, the launch has {launch.BM}")
         grouped_mma[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0,
                           p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], K=int(w.K),
                           CB=CODEBOOK_ID[w.codebook], DUAL=second is not None, BN=launch.BN, BK=launch.BK,
@@ -458,7 +460,8 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     mma = mma_refusal(g, dev) is None and mma_refusal(d, dev) is None
     up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K, mma=mma)
     down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, mma=mma)
-    if (up_launch.gemv, up_launch.mma) != (down_launch.gemv, down_launch.mma):  # mixed K: one chunking serves both GEMMs, so tensor cores for both
+    if (up_launch.gemv, up_launch.mma) != (down_launch.gemv, down_launch.mma):
+        # mixed K: one chunking serves both GEMMs, so tl.dot tensor cores for both
         up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K, gemv=False)
         down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, gemv=False)
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
