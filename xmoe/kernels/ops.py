@@ -129,15 +129,23 @@ def _klog(K: float, tiled: bool) -> int:
 
 
 def mma_refusal(w: Exl3Weight, device: torch.device) -> str | None:
-    """Why grouped_mma cannot take w's products on `device`, or None when it can."""
+    """Why grouped_mma cannot take w's products on `device`, or None when it can (said once per reason)."""
     if device.type != "cuda":
         return "Gluon kernels run on CUDA GPUs only"
     if not (_tiled(w.K) and w.K <= 4 and w.codebook in ("3inst", "mcg")):
-        return f"K = {w.K} with the {w.codebook} codebook (it decodes 3INST and MCG at K = 1, 2, 4)"
-    try:
-        from triton.experimental import gluon  # noqa: F401
-    except ImportError:
-        return "this Triton has no Gluon"
+        reason = f"K = {w.K} with the {w.codebook} codebook (it decodes 3INST and MCG at K = 1, 2, 4)"
+    else:
+        reason = _gluon_refusal()
+    if reason:
+        _announce(str(device), "grouped_mma not used", reason)
+    return reason
+
+
+@lru_cache(maxsize=None)
+def _gluon_refusal() -> str | None:
+    import triton
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6):
+        return f"Triton {triton.__version__} (its Gluon API is that of Triton 3.6 and later)"
     return None
 
 
