@@ -256,7 +256,8 @@ def main():
     p.add_argument("--skewed", action="store_true", help="--sweep, --profile: skewed routing (else uniform)")
     p.add_argument("--dense-tile", type=int, nargs=5, default=ops.DENSE_TILE,
                    metavar=("BM", "BN", "BK", "WARPS", "STAGES"), help="dense_gemm's launch (ops.DENSE_TILE)")
-    p.add_argument("--tuned", help="JSON {\"gemv\": [BM, BK, BN, warps, stages], \"decode\": [...], \"prefill\": [...]} to use")
+    p.add_argument("--tuned", help="JSON {regime: [BM, BK, BN, warps, stages], ...} to use; regimes \"mma\", "
+                                   "\"gemv\", \"decode\", \"prefill\"")
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
     p.add_argument("--swap", nargs="*", choices=("decode", "prefill"), default=sorted(ops.SWAP_AB),
                    help="regimes whose tiled launches multiply W^T a^T (ops.SWAP_AB)")
