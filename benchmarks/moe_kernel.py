@@ -195,10 +195,10 @@ def sweep(experts, dev, tokens, grid, best_path=None, skew=False):
     tiled = ops.DECODER == "tiled"
     default, default_fill = dict(ops.TUNED), dict(ops.FILL)
     best = {}
+    mma = tiled and ops.mma_refusal(experts.gate, dev) is None
     for T in tokens:
         ids, weights = routing(T, E, TOPK, skew, seed=T, device=dev)
         x = torch.randn(T, H, device=dev, dtype=torch.half)
-        mma = tiled and ops.mma_refusal(experts.gate, dev) is None
         mode = ops.regime(T * TOPK / ops.expected_experts(T * TOPK, E), tiled, mma)  # as fused_moe plans it
         for *cfg, fill in itertools.product(grid["bm"], grid["bk"], grid["bn"], grid["warps"], grid["stages"],
                                             grid["fill"] or [None]):

@@ -14,6 +14,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from xmoe.kernels.gluon_mma import grouped_mma  # noqa: E402
 
+
 def funnel(lo: int, hi: int, shift: int) -> int:
     return ((hi << 32 | lo) >> shift) & 0xFFFFFFFF
 

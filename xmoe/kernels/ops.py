@@ -380,10 +380,11 @@ def _without(chunks: tuple, hot: Hot, experts: int) -> tuple:
     return pos[order], length[order], expert[order], keep.sum().int().reshape(1), bound
 
 
-def _dense_call(M: int, device: torch.device) -> bool:
+def _dense_call(M: int, launch: Launch, device: torch.device) -> bool:
     """Whether a call of M rows may take the dense path (and read the routing back, _hot_experts): only
-    prefill-sized calls, never while a CUDA graph is being captured or torch.compile traces the call."""
-    if torch.compiler.is_compiling():
+    prefill-sized calls, never while a CUDA graph is being captured or torch.compile traces the call, and not
+    with grouped_mma's launch, whose activations (doubled fp16) the dense product does not read."""
+    if torch.compiler.is_compiling() or launch.mma:
         return False
     return M >= DENSE_ROWS and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
@@ -432,7 +433,7 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     dev = x.device
     chunks, rows, zeros = _row_chunks(M, launch.BM, dev)
     a0, _ = _rotate(a, rows, zeros, w, None, M, launch)
-    if _dense_call(M, dev) and not launch.mma:  # decoded once for all rows
+    if _dense_call(M, launch, dev):  # decoded once for all rows
         part = torch.empty(1, M, w.n, device=dev, dtype=torch.float32)
         _mm32(a0, decode_experts(w, zeros[:1])[0], part[0])
     else:
@@ -474,7 +475,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, gemv=False)
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
-    runs = _runs_to_host(r, E) if _dense_call(M, dev) and not up_launch.mma else None
+    runs = _runs_to_host(r, E) if _dense_call(M, up_launch, dev) else None
     # the GPU rotates while the host waits for the runs and builds the tables of the dense experts
     a0, a1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
     hot = _hot_experts(runs, E, _dense_tile(dev)[0], dev) if runs is not None else None

@@ -178,10 +178,11 @@ def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr,
     vec = e[:, None] * stride_se + cols[None, :]
     out = pos.to(tl.int64)[:, None] * k + cols[None, :]
     dtype: tl.constexpr = out0_ptr.dtype.element_ty
-    y = rotate_out(x * tl.load(s0_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, dtype == tl.float32)
+    exact: tl.constexpr = dtype == tl.float32
+    y = rotate_out(x * tl.load(s0_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, exact)
     tl.store(out0_ptr + out, as_operand(y, dtype), mask=mask)
     if DUAL:
-        y = rotate_out(x * tl.load(s1_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, dtype == tl.float32)
+        y = rotate_out(x * tl.load(s1_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, exact)
         tl.store(out1_ptr + out, as_operand(y, dtype), mask=mask)
 
 
