@@ -8,7 +8,7 @@ from xmoe.cli import main
 
 def bench(server, tmp_path, tool: str, *args: str) -> dict:
     out = tmp_path / f"{tool}.json"
-    rc = main(["bench", tool, "--url", server.base_url, "--api-key", server.api_key or "", "--model", server.model,
+    rc = main(["bench", tool, "--url", server.base_url, f"--api-key={server.api_key or ''}", "--model", server.model,
                "--json", str(out), *args])
     assert rc == 0
     return json.loads(out.read_text())
@@ -78,7 +78,7 @@ def test_eval_quality_through_servers(demo_server, tmp_path):
     """The server route of `xmoe eval quality`, with the same server on both sides: KL 0, equal perplexity."""
     out = tmp_path / "q.json"
     url = demo_server.base_url
-    assert main(["eval", "quality", url, "--reference", url, "--api-key", demo_server.api_key, "--tokens", "200",
+    assert main(["eval", "quality", url, "--reference", url, f"--api-key={demo_server.api_key}", "--tokens", "200",
                  "--top-k", "5", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["tokens_scored"] >= 200 and 0 < r["kl_coverage"] <= 1

@@ -107,7 +107,8 @@ def _quality(args) -> int:
 
 def _common(p: argparse.ArgumentParser, concurrency: int | None = None):
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
-    p.add_argument("--api-key", default=os.environ.get("API_KEY"), help="bearer token (default: $API_KEY)")
+    p.add_argument("--api-key", default=os.environ.get("API_KEY"),
+                   help="bearer token (default: $API_KEY); one that starts with - is written --api-key=KEY")
     p.add_argument("--model", help="served model name (default: the server's first model)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", metavar="PATH", help="write the full result as JSON ('-': stdout, no table)")
