@@ -147,6 +147,37 @@ def test_dense_path_interpreter():
         "ops.DENSE_TMA = False", f"check_moe(**{dict(SMALL_MOE[2], M=24)}, device='cpu')"]))
 
 
+@pytest.mark.parametrize("rows, rest, group", [(128, 8, 32), (12, 0, 2), (1, 8, 3)])
+def test_hot_expert_tables(monkeypatch, rows, rest, group):
+    """The dense experts' tables: which experts go dense, and chunks of at most BM rows (pos, length, index in
+    the group) covering each one's sorted rows in order, once."""
+    monkeypatch.setattr(ops, "DENSE_ROWS", rows)
+    monkeypatch.setattr(ops, "DENSE_REST", rest)
+    monkeypatch.setattr(ops, "DENSE_GROUP", group)
+    BM = 16
+    for trial in range(40):
+        g = torch.Generator().manual_seed(trial)
+        counts = (torch.rand(64, generator=g) ** 6 * 400).long() * (torch.rand(64, generator=g) < trial / 40)
+        ends = counts.cumsum(0)
+        hot = ops._hot_experts((torch.stack([ends - counts, ends]).int(), None), 64, BM, torch.device("cpu"))
+        nonzero = [e for e in range(64) if counts[e]]
+        dense = [e for e in nonzero if counts[e] >= rows]
+        if len(nonzero) - len(dense) <= rest:
+            dense = nonzero
+        if not dense:
+            assert hot is None
+            continue
+        assert hot.flags.tolist() == [int(e in dense) for e in range(65)] and hot.every == (dense == nonzero)
+        assert [len(ids) for ids, *_ in hot.groups] == [min(group, len(dense) - i) for i in range(0, len(dense), group)]
+        for i, (ids, pos, length, slot) in enumerate(hot.groups):
+            assert ids.tolist() == dense[i * group:(i + 1) * group]
+            assert ((length >= 1) & (length <= BM)).all()
+            for j, e in enumerate(ids.tolist()):
+                mine = slot == j
+                covered = [r for p, n in zip(pos[mine].tolist(), length[mine].tolist()) for r in range(p, p + n)]
+                assert covered == list(range(ends[e] - counts[e], ends[e])), (trial, e)
+
+
 def test_gemv_plan():
     assert ops.plan(36, 1152, 5120, 1.0, 132).gemv and ops.plan(36, 1152, 5120, 1.0, 132).BM == 2
     assert not ops.plan(6, 1152, 5120, 6.0, 132).gemv

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from ..format.hadamard import hadamard_128
@@ -326,26 +327,28 @@ def _hot_experts(runs: tuple, experts: int, BM: int, device: torch.device) -> Ho
     host, done = runs
     if done is not None:
         done.synchronize()
-    starts, ends = host.tolist()
-    counts = [end - start for start, end in zip(starts, ends)]
-    hot = [(e, starts[e], c) for e, c in enumerate(counts) if c >= DENSE_ROWS]
-    rest = [(e, starts[e], c) for e, c in enumerate(counts) if 0 < c < DENSE_ROWS]
-    if len(rest) <= DENSE_REST:
-        hot, rest = sorted(hot + rest), []
-    if not hot:
+    starts, ends = host.numpy().astype(np.int64)  # numpy: with 384 experts, Python lists took 2-3x as long
+    counts = ends - starts
+    hot = counts >= DENSE_ROWS
+    rest = (counts > 0) & ~hot
+    if rest.sum() <= DENSE_REST:
+        hot, rest = hot | rest, np.zeros_like(rest)
+    ids = np.flatnonzero(hot)
+    if not len(ids):
         return None
-    flags = [0] * (experts + 1)
-    for e, _, _ in hot:
-        flags[e] = 1
+    flags = np.zeros(experts + 1, np.int64)
+    flags[ids] = 1
     parts = [flags]
-    for i in range(0, len(hot), DENSE_GROUP):
-        group = hot[i:i + DENSE_GROUP]
-        chunks = [(start + s, min(BM, rows - s), j) for j, (_, start, rows) in enumerate(group)
-                  for s in range(0, rows, BM)]
-        parts += [[e for e, _, _ in group], *map(list, zip(*chunks))]
-    flat = torch.tensor([v for part in parts for v in part], dtype=torch.int32, pin_memory=device.type == "cuda")
-    pieces = flat.to(device, non_blocking=True).split([len(part) for part in parts])
-    return Hot(pieces[0], [pieces[i:i + 4] for i in range(1, len(pieces), 4)], every=not rest)
+    for i in range(0, len(ids), DENSE_GROUP):
+        group = ids[i:i + DENSE_GROUP]
+        n = -(-counts[group] // BM)  # chunks of each expert
+        slot = np.repeat(np.arange(len(group)), n)
+        offset = (np.arange(n.sum()) - np.repeat(n.cumsum() - n, n)) * BM
+        parts += [group, starts[group][slot] + offset, np.minimum(BM, counts[group][slot] - offset), slot]
+    flat = torch.from_numpy(np.concatenate(parts).astype(np.int32))
+    pieces = (flat.pin_memory() if device.type == "cuda" else flat).to(device, non_blocking=True).split(
+        [len(part) for part in parts])
+    return Hot(pieces[0], [pieces[i:i + 4] for i in range(1, len(pieces), 4)], every=not rest.any())
 
 
 def _dense_products(hot: Hot | None, a0, a1, w: Exl3Weight, second: Exl3Weight | None, p0, p1) -> None:
