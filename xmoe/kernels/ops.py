@@ -327,12 +327,13 @@ def _hot_experts(runs: tuple, experts: int, BM: int, device: torch.device) -> Ho
     host, done = runs
     if done is not None:
         done.synchronize()
-    starts, ends = host.numpy().astype(np.int64)  # numpy: with 384 experts, Python lists took 2-3x as long
+    starts, ends = host.numpy().astype(np.int64)  # numpy: with 384 experts, Python lists took 2-6x as long
     counts = ends - starts
     hot = counts >= DENSE_ROWS
     rest = (counts > 0) & ~hot
-    if rest.sum() <= DENSE_REST:
-        hot, rest = hot | rest, np.zeros_like(rest)
+    every = bool(rest.sum() <= DENSE_REST)  # then the few others go dense too
+    if every:
+        hot |= rest
     ids = np.flatnonzero(hot)
     if not len(ids):
         return None
@@ -348,7 +349,7 @@ def _hot_experts(runs: tuple, experts: int, BM: int, device: torch.device) -> Ho
     flat = torch.from_numpy(np.concatenate(parts).astype(np.int32))
     pieces = (flat.pin_memory() if device.type == "cuda" else flat).to(device, non_blocking=True).split(
         [len(part) for part in parts])
-    return Hot(pieces[0], [pieces[i:i + 4] for i in range(1, len(pieces), 4)], every=not rest.any())
+    return Hot(pieces[0], [pieces[i:i + 4] for i in range(1, len(pieces), 4)], every=every)
 
 
 def _dense_products(hot: Hot | None, a0, a1, w: Exl3Weight, second: Exl3Weight | None, p0, p1) -> None:
