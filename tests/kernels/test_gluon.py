@@ -33,7 +33,10 @@ def test_lane_states_match_the_format(K):
         lo, hi = words[word], words[K * 8 * ((lane + 32 - 4 // K) % 32) // 32]  # the shuffled neighbour's word
         for q in range(8):
             c3, j, r0 = q >> 2, (q >> 1) & 1, q & 1
-            if K == 2:
+            if K == 2 and q % 2:  # two bytes of the window (q = 3, 7) or of the window >> 4 (q = 1, 5)
+                source = funnel(lo, hi, 16 - 16 * (t & 1) + (0 if q % 4 == 3 else 4))
+                state = (source >> (8 if q < 4 else 0)) & 0xFFFF
+            elif K == 2:
                 state = (funnel(lo, hi, 16 - 16 * (t & 1)) * (4 << 2 * q) & 0xFFFFFFFF) >> 16
             else:
                 state = funnel(lo, hi, 32 * (word + 1) - K * (8 * lane + q + 1)) & 0xFFFF
@@ -67,3 +70,4 @@ def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch):
     mmas = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
     assert mmas == (2 if DUAL else 1) * (BN // 64) * (BK // 16) * 2, "one MMA per 16 doubled K rows and warp tile"
     assert "shfl.sync.idx.b32" in ptx and "ld.shared" not in ptx
+    assert ("prmt.b32" in ptx) == (K == 2), "at K = 2 the byte-aligned states are picked by PRMT"

@@ -4,8 +4,8 @@ The format gives lane L of a warp the eight weights at trellis positions 8L..8L+
 the registers of an mma.sync fragment. Written in Gluon, where layouts are explicit, each lane decodes exactly
 those weights into the registers of the MMA's A operand (the weights as W^T, the rows as B), so nothing passes
 through shared memory. Each weight enters the MMA as its codebook word's two fp16 halves on two K rows, against
-the activation doubled, so the tensor cores add the halves: per weight only the state's extraction (two shifts)
-and the codebook's IMAD and LOP3 remain, half on the integer pipe and half on the FMA pipe. A chunk carries up to
+the activation doubled, so the tensor cores add the halves: per weight only the state's extraction (two shifts,
+or one byte permute) and the codebook's IMAD and LOP3 remain, shared between the integer and FMA pipes. A chunk carries up to
 ROWS rows of one expert (the MMA's N), each decoded weight serving all of them. 3INST and MCG at K = 1, 2, 4;
 other cases take triton_gemv or triton_exl3.
 """
@@ -66,15 +66,26 @@ def from_lane(x, src):
 
 
 @gluon.jit
+def byte_pair(x, sel):
+    """Two bytes of x, picked by `sel` (0x4410: bytes 0-1, 0x4421: bytes 1-2), zero above, in one instruction."""
+    return gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, $2;", "=r,r,r", [x, sel], dtype=gl.uint32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
 def lane_states(lo, hi, shift, t, q, K: gl.constexpr):
     """The 16-bit states of each lane's 8 weights q from its words. At K = 2 they all lie in one 30-bit window
-    (hi:lo >> 16 for even lanes, lo for odd ones), state q ending 14 - 2 q bits up: shifted to the top and back
-    down, by constants, and the left shift can go to the FMA pipe (IMAD.SHL) while the integer pipe is busy."""
+    (hi:lo >> 16 for even lanes, lo for odd ones), state q ending 14 - 2 q bits up. Odd q start on a byte of the
+    window or of the window >> 4: one PRMT each. Even q are shifted to the top and back down, by constants, and
+    the left shift goes to the FMA pipe (IMAD.SHL), as the integer pipe carries the PRMTs and the codebook's LOP3."""
     if K == 2:
-        window = funnel(lo, hi, (16 - 16 * (t & 1)).to(gl.uint32))
+        base = (16 - 16 * (t & 1)).to(gl.uint32)
+        window = funnel(lo, hi, base)
+        aligned = byte_pair(gl.where(q % 4 == 3, window, funnel(lo, hi, base + 4)),
+                            gl.where(q < 4, 0x4421, 0x4410).to(gl.uint32))
         top = gl.inline_asm_elementwise("mul.lo.u32 $0, $1, $2;", "=r,r,r", [window, (4 << (2 * q)).to(gl.uint32)],
                                         dtype=gl.uint32, is_pure=True, pack=1)  # << 2 + 2q, as a multiply
-        return top >> 16
+        return gl.where(q % 2 == 1, aligned, top >> 16)
     return funnel(lo, hi, shift) & 0xFFFF
 
 
@@ -106,10 +117,11 @@ def act_operand(x, BK: gl.constexpr, B: gl.constexpr):
 
 
 @gluon.jit
-def load_step(words, rows, step, stride_step, lo_off, a_off, a_mask, BK: gl.constexpr):
-    """One K step's trellis words (the one each lane's states end in) and activations."""
+def load_step(words, rows, step, stride_step, lo_off, a_off, BK: gl.constexpr):
+    """One K step's trellis words (the one each lane's states end in) and activations (all ROWS rows of the chunk:
+    the rows buffers hold ROWS more than the call's, and rows past the chunk's length are never stored)."""
     lo = gl.load(words + step * stride_step + lo_off).to(gl.uint32, bitcast=True)
-    return lo, gl.load(rows + a_off + step * BK, mask=a_mask, other=0)
+    return lo, gl.load(rows + a_off + step * BK)
 
 
 @gluon.jit
@@ -150,7 +162,6 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
 
     rows = axis(ROWS, 3, 4, ACT)
     a_off = (pos + rows) * k + 8 * axis(BK // 8, 0, 4, ACT) + 2 * axis(4, 1, 4, ACT) + axis(2, 2, 4, ACT)
-    a_mask = rows < length
     steps = k // BK
     per = gl.cdiv(steps, SPLIT)
     first = pid_s * per
@@ -158,16 +169,16 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
     stride_step = TK * (n // 16) * W
     acc0 = gl.zeros([BN, ROWS], gl.float32, MMA)
     acc1 = gl.zeros([BN, ROWS], gl.float32, MMA)
-    lo0, x0 = load_step(w0, a0_ptr, first, stride_step, lo_off, a_off, a_mask, BK)
+    lo0, x0 = load_step(w0, a0_ptr, first, stride_step, lo_off, a_off, BK)
     lo1, x1 = lo0, x0
     if DUAL:
-        lo1, x1 = load_step(w1, a1_ptr, first, stride_step, lo_off, a_off, a_mask, BK)
+        lo1, x1 = load_step(w1, a1_ptr, first, stride_step, lo_off, a_off, BK)
     for step in range(first, last):  # the next step's words and rows are loaded before this step is decoded
         nxt = gl.minimum(step + 1, last - 1)
-        next_lo0, next_x0 = load_step(w0, a0_ptr, nxt, stride_step, lo_off, a_off, a_mask, BK)
+        next_lo0, next_x0 = load_step(w0, a0_ptr, nxt, stride_step, lo_off, a_off, BK)
         next_lo1, next_x1 = next_lo0, next_x0
         if DUAL:
-            next_lo1, next_x1 = load_step(w1, a1_ptr, nxt, stride_step, lo_off, a_off, a_mask, BK)
+            next_lo1, next_x1 = load_step(w1, a1_ptr, nxt, stride_step, lo_off, a_off, BK)
         w = decode_operand(lane_states(lo0, from_lane(lo0, src), shift, t, q, K), mask, CB, BN, BK, A)
         acc0 = mma_v2(w, act_operand(x0, BK, B), acc0)
         if DUAL:

@@ -193,8 +193,8 @@ def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int, l
     """Rotated inputs (P, k): H_128 (x[rows[pos]] * suh[expert[pos]]), and the same with second's suh, in
     _act_dtype."""
     from .triton_exl3 import rotate_rows
-    a0 = torch.empty(P, w.k, device=x.device, dtype=_act_dtype(launch))
-    a1 = torch.empty_like(a0) if second is not None else a0
+    a0 = _act_buffer(P, w.k, launch, x.device)
+    a1 = _act_buffer(P, w.k, launch, x.device) if second is not None else a0
     stride_se = w.suh.shape[-1] if w.experts else 0
     BM = epilogue_rows(P)
     rotate_rows[(-(-P // BM), w.k // 128)](x, x.stride(0), rows, expert, w.suh, (second or w).suh, a0, a1,
@@ -207,6 +207,13 @@ def _act_dtype(launch: Launch) -> torch.dtype:
     """The GEMMs' activations: fp16 for tensor cores, fp32 for grouped_gemv (no conversion in its inner loop),
     int32 for grouped_mma (fp16 doubled, as_operand: each value already the pair of K rows its MMA reads)."""
     return torch.float32 if launch.gemv else torch.int32 if launch.mma else torch.float16
+
+
+def _act_buffer(P: int, cols: int, launch: Launch, device: torch.device) -> torch.Tensor:
+    """(P, cols) activations for the launch's GEMM; for grouped_mma, BM more rows behind them, as it reads every
+    chunk's BM rows whole (unmasked loads) and stores only those it has."""
+    extra = launch.BM if launch.mma else 0
+    return torch.empty(P + extra, cols, device=device, dtype=_act_dtype(launch))[:P]
 
 
 def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, launch: Launch):
@@ -490,7 +497,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if grouped:
         _gemm(a0, a1, chunks, g, pg, pu, experts.up, up_launch)
     _dense_products(hot, a0, a1, g, experts.up, pg, pu)
-    mid = torch.empty(P, g.n, device=dev, dtype=_act_dtype(down_launch))
+    mid = _act_buffer(P, g.n, down_launch, dev)
     BM = epilogue_rows(P)
     act_epilogue[(-(-P // BM), g.n // 128)](pg, pu, r.sorted_expert, g.svh, experts.up.svh, d.suh, _had(str(dev)),
                                             mid, P, g.n, experts.intermediate, E, float(limit or 0.0),
