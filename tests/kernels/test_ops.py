@@ -82,6 +82,14 @@ def test_moe_interpreter():
                                f"check_moe(**{SMALL_MOE[2]}, device='cpu', dtype=torch.bfloat16)"]))
 
 
+def test_prefill_epilogues_interpreter():
+    """The epilogues as prefill takes them: 64 rows a program (EPILOGUE_SMALL lowered), and the combine taking
+    two rounds of tokens a program at 300 tokens (top-k 3 and 8: 4 and 2 tokens a round)."""
+    pytest.importorskip("triton")
+    run_interpreted("\n".join(["ops.EPILOGUE_SMALL = 4", f"check_moe(**{dict(SMALL_MOE[1], M=300)}, device='cpu')",
+                               f"check_moe(**{dict(SMALL_MOE[2], M=300)}, device='cpu')"]))
+
+
 def test_gather_decoder_interpreter():
     """The per-weight gather decoder (every K; the default takes it only where K is not 1, 2, 4 or 8)."""
     pytest.importorskip("triton")

@@ -507,8 +507,10 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         _gemm(mid, mid, chunks, d, pd, None, None, down_launch)
     _dense_products(hot, mid, None, d, None, pd, None)
     out = torch.empty(M, experts.hidden, device=dev, dtype=x.dtype)
-    BM = epilogue_rows(M)
+    TP = 1 << (top_k - 1).bit_length()
+    BT = max(1, 16 // TP)  # tokens whose slots make one product of 16 rows
+    BM = BT * max(1, min(64 // BT, M // 128))  # from 128 tokens on, more a program (each reads the Hadamard)
     combine_epilogue[(-(-M // BM), d.n // 128)](pd, r.slot_pos, r.slot_expert, topk_weights.reshape(-1), d.svh,
-                                                _had(str(dev)), out, M, P, d.n, experts.hidden, TOPK=top_k,
-                                                SPLIT=down_launch.split, BM=BM)
+                                                _had(str(dev)), out, M, P, d.n, experts.hidden, TOPK=top_k, TP=TP,
+                                                SPLIT=down_launch.split, BM=BM, BT=BT)
     return out
