@@ -287,6 +287,29 @@ def test_moe_gpu(case, decoder):
 
 
 @pytest.mark.gpu
+def test_mma_padding_never_reaches_the_output(monkeypatch):
+    """grouped_mma reads each chunk's 8 rows whole, past a short chunk into the next expert's rows, other ranks'
+    rows or the buffers' padding (ops._act_buffer): with all of those NaN, every output still matches."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    monkeypatch.setattr(ops, "MMA_ROWS", float("inf"))
+    made = ops._act_buffer
+
+    def poisoned(P, cols, launch, device):
+        rows = made(P, cols, launch, device)
+        whole = rows if rows._base is None else rows._base
+        whole.fill_(0x7E007E00 if whole.dtype == torch.int32 else float("nan"))  # int32: fp16 NaN, doubled
+        return rows
+
+    monkeypatch.setattr(ops, "_act_buffer", poisoned)
+    for case in GPU_MOE:
+        if case["M"] <= 48 and case["K"] != 3:
+            check_moe(**case, device="cuda")
+    for M in (1, 6, 7):
+        check_linear(M, 5120, 1152, 2, "mcg", False, "cuda")
+
+
+@pytest.mark.gpu
 def test_moe_cuda_graph_replay_equals_eager():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
