@@ -83,8 +83,8 @@ def test_moe_interpreter():
 
 
 def test_prefill_epilogues_interpreter():
-    """The epilogues as prefill takes them: 64 rows a program (EPILOGUE_SMALL lowered), and the combine taking
-    two rounds of tokens a program at 300 tokens (top-k 3 and 8: 4 and 2 tokens a round)."""
+    """The epilogues as prefill takes them: 64 rows a program (EPILOGUE_SMALL lowered), at 300 tokens (the
+    smaller cases above take combine_stacked, 4 and 2 tokens a program at top-k 3 and 8)."""
     pytest.importorskip("triton")
     run_interpreted("\n".join(["ops.EPILOGUE_SMALL = 4", f"check_moe(**{dict(SMALL_MOE[1], M=300)}, device='cpu')",
                                f"check_moe(**{dict(SMALL_MOE[2], M=300)}, device='cpu')"]))

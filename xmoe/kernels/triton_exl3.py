@@ -320,29 +320,49 @@ def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, ha
 
 
 @triton.jit
-def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr, had_ptr, out_ptr, M, P, n, n_out,
-                     TOPK: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BT: tl.constexpr):
-    """out[t] = sum over t's slots j of w[t, j] * H(down partials of the slot) * svh_down[e]. BM tokens a program,
-    BT at a time, their slots (TOPK of them, padded to TP, a power of two) rotated in one product."""
+def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr, had_ptr, out_ptr,
+                     M, P, n, n_out, TOPK: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
+    """out[t] = sum over t's slots j, in order, of w[t, j] * H(down partials of the slot) * svh_down[e]."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
-    j = tl.arange(0, TP)[None, :]
-    for first in range(0, BM, BT):
-        tokens = tl.program_id(0) * BM + first + tl.arange(0, BT)[:, None]
-        slot = tokens * TOPK + j
-        e = tl.load(slot_expert_ptr + slot, mask=(tokens < M) & (j < TOPK), other=-1).to(tl.int64)
-        live = e >= 0
+    acc = tl.zeros((BM, 128), tl.float32)
+    for j in tl.static_range(TOPK):
+        slot = rows * TOPK + j
+        e = tl.load(slot_expert_ptr + slot, mask=rows < M, other=-1).to(tl.int64)
+        live = (rows < M) & (e >= 0)
         pos = tl.load(slot_pos_ptr + slot, mask=live, other=0)
         w = tl.load(weight_ptr + slot, mask=live, other=0.0).to(tl.float32)
-        x = tl.zeros((BT, TP, 128), tl.float32)
-        for s in tl.static_range(SPLIT):
-            at = (s * P + pos).to(tl.int64)[:, :, None] * n + cols[None, None, :]
-            x += tl.load(pd_ptr + at, mask=live[:, :, None], other=0.0)
-        y = tl.reshape(rotate_out(tl.reshape(x, (BT * TP, 128)), had), (BT, TP, 128))
-        y *= tl.load(svh_ptr + e[:, :, None] * n + cols[None, None, :], mask=live[:, :, None], other=0.0).to(tl.float32)
-        out = tl.sum(y * w[:, :, None], axis=1)
-        tl.store(out_ptr + tokens.to(tl.int64) * n_out + cols[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(tokens < M) & (cols < n_out)[None, :])
+        y = rotate_out(_split_sum(pd_ptr, pos, cols, live[:, None], P, n, SPLIT), had)
+        y = y * tl.load(svh_ptr + e[:, None] * n + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        acc += y * w[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * n_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows < M)[:, None] & (cols < n_out)[None, :])
+
+
+@triton.jit
+def combine_stacked(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr, had_ptr, out_ptr, M, P, n, n_out,
+                    TOPK: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr, BT: tl.constexpr):
+    """combine_epilogue for a few tokens: BT tokens a program, their slots (TOPK of them, padded to TP, a power of
+    two) stacked into the rows of one product, so the call has many small programs instead of a few long ones."""
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    had = load_had(had_ptr)
+    tokens = tl.program_id(0) * BT + tl.arange(0, BT)[:, None]
+    j = tl.arange(0, TP)[None, :]
+    slot = tokens * TOPK + j
+    e = tl.load(slot_expert_ptr + slot, mask=(tokens < M) & (j < TOPK), other=-1).to(tl.int64)
+    live = e >= 0
+    pos = tl.load(slot_pos_ptr + slot, mask=live, other=0)
+    w = tl.load(weight_ptr + slot, mask=live, other=0.0).to(tl.float32)
+    x = tl.zeros((BT, TP, 128), tl.float32)
+    for s in tl.static_range(SPLIT):
+        x += tl.load(pd_ptr + (s * P + pos).to(tl.int64)[:, :, None] * n + cols[None, None, :],
+                     mask=live[:, :, None], other=0.0)
+    y = tl.reshape(rotate_out(tl.reshape(x, (BT * TP, 128)), had), (BT, TP, 128))
+    y *= tl.load(svh_ptr + e[:, :, None] * n + cols[None, None, :], mask=live[:, :, None], other=0.0).to(tl.float32)
+    out = tl.sum(y * w[:, :, None], axis=1)
+    tl.store(out_ptr + tokens.to(tl.int64) * n_out + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(tokens < M) & (cols < n_out)[None, :])
 
 
 @triton.jit
