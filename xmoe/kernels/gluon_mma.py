@@ -5,9 +5,9 @@ the registers of an mma.sync fragment. Written in Gluon, where layouts are expli
 those weights into the registers of the MMA's A operand (the weights as W^T, the rows as B), so nothing passes
 through shared memory. Each weight enters the MMA as its codebook word's two fp16 halves on two K rows, against
 the activation doubled, so the tensor cores add the halves: per weight only the state's extraction (two shifts,
-or one byte permute) and the codebook's IMAD and LOP3 remain, shared between the integer and FMA pipes. A chunk carries up to
-ROWS rows of one expert (the MMA's N), each decoded weight serving all of them. 3INST and MCG at K = 1, 2, 4;
-other cases take triton_gemv or triton_exl3.
+or one byte permute) and the codebook's IMAD and LOP3 remain, shared between the integer and FMA pipes. A chunk
+carries up to ROWS rows of one expert (the MMA's N), each decoded weight serving all of them. 3INST and MCG at
+K = 1, 2, 4; other cases take triton_gemv or triton_exl3.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
