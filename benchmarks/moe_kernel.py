@@ -271,12 +271,14 @@ def main():
                    help="dense experts decoded and multiplied per launch (ops.DENSE_GROUP)")
     p.add_argument("--dense-tma", type=int, choices=(0, 1), default=int(ops.DENSE_TMA),
                    help="dense_gemm_tma (tensor descriptors) where the GPU has TMA (ops.DENSE_TMA)")
+    p.add_argument("--epilogue-warps", type=int, default=ops.EPILOGUE_WARPS,
+                   help="warps per program of the rotation and the epilogues (ops.EPILOGUE_WARPS)")
     p.add_argument("--json")
     args = p.parse_args()
     ops.DENSE_ROWS, ops.DENSE_TILE, ops.DENSE_GROUP = args.dense_rows, tuple(args.dense_tile), args.dense_group
     ops.DENSE_TMA = bool(args.dense_tma)
     ops.DECODER, ops.SWAP_AB, ops.GEMV_ROWS = args.decoder, set(args.swap), args.gemv_rows
-    ops.MMA_ROWS = args.mma_rows
+    ops.MMA_ROWS, ops.EPILOGUE_WARPS = args.mma_rows, args.epilogue_warps
     if args.fill and not args.sweep:
         ops.FILL = dict.fromkeys(ops.FILL, args.fill[0])
     if args.tuned:

@@ -107,6 +107,8 @@ EPILOGUE_SMALL = 256  # rows up to which the prologue and epilogues take 16 rows
 # Tokens up to which the combine stacks a few tokens' slots into one product a program (combine_stacked): at 6
 # tokens 5.8 us on the H200 where one program per 16 tokens took 13.0; at 48 tokens 23.9 us against 13.4.
 COMBINE_STACKED = 16
+# Warps per program of the rotation and the epilogues: 2 and 8 were slower than 4 on the H200 at 6 and 48 tokens.
+EPILOGUE_WARPS = 4
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
 # finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16).
 FILL = {"mma": 16, "gemv": 32, "decode": 4, "prefill": 4}
@@ -202,7 +204,7 @@ def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int, l
     BM = epilogue_rows(P)
     rotate_rows[(-(-P // BM), w.k // 128)](x, x.stride(0), rows, expert, w.suh, (second or w).suh, a0, a1,
                                            _had(str(x.device)), P, w.k, max(w.experts, 1), stride_se,
-                                           DUAL=second is not None, BM=BM)
+                                           DUAL=second is not None, BM=BM, num_warps=EPILOGUE_WARPS)
     return a0, a1
 
 
@@ -457,7 +459,7 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     BM = epilogue_rows(M)
     linear_epilogue[(-(-M // BM), w.n // 128)](part, w.svh, bias if bias is not None else w.svh, out, _had(str(dev)),
                                                M, w.n, w.out_features, HAS_BIAS=bias is not None,
-                                               SPLIT=part.shape[0], BM=BM)
+                                               SPLIT=part.shape[0], BM=BM, num_warps=EPILOGUE_WARPS)
     return out.reshape(*x.shape[:-1], w.out_features)
 
 
@@ -504,7 +506,8 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     BM = epilogue_rows(P)
     act_epilogue[(-(-P // BM), g.n // 128)](pg, pu, r.sorted_expert, g.svh, experts.up.svh, d.suh, _had(str(dev)),
                                             mid, P, g.n, experts.intermediate, E, float(limit or 0.0),
-                                            HAS_LIMIT=limit is not None, SPLIT=up_launch.split, BM=BM)
+                                            HAS_LIMIT=limit is not None, SPLIT=up_launch.split, BM=BM,
+                                            num_warps=EPILOGUE_WARPS)
     pd = torch.empty(down_launch.split, P, d.n, device=dev, dtype=torch.float32)
     if grouped:
         _gemm(mid, mid, chunks, d, pd, None, None, down_launch)
@@ -515,8 +518,10 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if M <= COMBINE_STACKED:
         TP = 1 << (top_k - 1).bit_length()
         BT = max(1, 16 // TP)  # tokens whose slots make one product of 16 rows
-        combine_stacked[(-(-M // BT), d.n // 128)](*args, TOPK=top_k, TP=TP, SPLIT=down_launch.split, BT=BT)
+        combine_stacked[(-(-M // BT), d.n // 128)](*args, TOPK=top_k, TP=TP, SPLIT=down_launch.split, BT=BT,
+                                                   num_warps=EPILOGUE_WARPS)
     else:
         BM = epilogue_rows(M)
-        combine_epilogue[(-(-M // BM), d.n // 128)](*args, TOPK=top_k, SPLIT=down_launch.split, BM=BM)
+        combine_epilogue[(-(-M // BM), d.n // 128)](*args, TOPK=top_k, SPLIT=down_launch.split, BM=BM,
+                                                    num_warps=EPILOGUE_WARPS)
     return out
