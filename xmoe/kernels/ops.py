@@ -104,8 +104,8 @@ DENSE_GROUP = 32  # 377 MB of decoded weights per launch at V4.1 shapes; 8 and 1
 # give each chunk and column block one program, so a few experts would leave most multiprocessors idle.
 DENSE_REST = 8
 EPILOGUE_SMALL = 256  # rows up to which the prologue and epilogues take 16 rows a program (epilogue_rows)
-# Tokens up to which the combine stacks a few tokens' slots into one product a program (combine_stacked): at 6
-# tokens 5.8 us on the H200 where one program per 16 tokens took 13.0; at 48 tokens 23.9 us against 13.4.
+# Tokens up to which the combine stacks a few tokens' slots into one product a program (combine_stacked): on the
+# H200, in one run, 6.0 us at 6 tokens where one program per 16 tokens took 14.1; at 48 tokens 23.9 against 13.4.
 COMBINE_STACKED = 16
 # Warps per program of the rotation and the epilogues: 2 and 8 were slower than 4 on the H200 at 6 and 48 tokens.
 EPILOGUE_WARPS = 4
