@@ -273,12 +273,14 @@ def main():
                    help="dense_gemm_tma (tensor descriptors) where the GPU has TMA (ops.DENSE_TMA)")
     p.add_argument("--epilogue-warps", type=int, default=ops.EPILOGUE_WARPS,
                    help="warps per program of the rotation and the epilogues (ops.EPILOGUE_WARPS)")
+    p.add_argument("--mma-maxnreg", type=int, nargs=2, default=ops.MMA_MAXNREG, metavar=("GATE_UP", "DOWN"),
+                   help="registers a thread grouped_mma may take (ops.MMA_MAXNREG; 0: the compiler's choice)")
     p.add_argument("--json")
     args = p.parse_args()
     ops.DENSE_ROWS, ops.DENSE_TILE, ops.DENSE_GROUP = args.dense_rows, tuple(args.dense_tile), args.dense_group
     ops.DENSE_TMA = bool(args.dense_tma)
     ops.DECODER, ops.SWAP_AB, ops.GEMV_ROWS = args.decoder, set(args.swap), args.gemv_rows
-    ops.MMA_ROWS, ops.EPILOGUE_WARPS = args.mma_rows, args.epilogue_warps
+    ops.MMA_ROWS, ops.EPILOGUE_WARPS, ops.MMA_MAXNREG = args.mma_rows, args.epilogue_warps, tuple(args.mma_maxnreg)
     if args.fill and not args.sweep:
         ops.FILL = dict.fromkeys(ops.FILL, args.fill[0])
     if args.tuned:

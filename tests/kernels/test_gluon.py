@@ -2,6 +2,10 @@
 compiled for sm_90 and sm_80 (Triton compiles without a GPU). The kernel asserts at compile time that no value
 moves between threads on its way into the MMA, so a layout that would need shared memory or shuffles fails here.
 Its numbers are checked on a GPU by test_ops.py (the `tiled-mma` cases) against the torch reference."""
+import re
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +16,7 @@ gluon = pytest.importorskip("triton.experimental.gluon")
 from triton import compile as triton_compile  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
+from xmoe.kernels import ops  # noqa: E402
 from xmoe.kernels.gluon_mma import grouped_mma  # noqa: E402
 
 
@@ -58,14 +63,28 @@ def compiled(K: int, CB: int, DUAL: bool, BN: int, BK: int, arch: int):
     aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in [*POINTERS, "k", "n", "stride_te"]}
     src = gluon._runtime.GluonASTSource(grouped_mma, signature=signature, attrs=aligned,
                                         constexprs={(names.index(a),): v for a, v in const.items()})
-    return triton_compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    registers = ops._maxnreg(ops.MMA_MAXNREG[not DUAL])
+    return triton_compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, **registers})
 
 
-@pytest.mark.parametrize("K, CB, DUAL, BN, BK, arch", [(2, 1, True, 128, 32, 90), (2, 0, False, 64, 64, 90),
-                                                        (1, 1, True, 128, 32, 90), (4, 0, True, 128, 32, 80)])
-def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch):
+def resources(cubin: bytes, tmp_path: Path) -> dict:
+    """Registers a thread and local memory (spills) of a compiled kernel, from cuobjdump."""
+    import triton
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(cubin)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
+    return {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
+
+
+@pytest.mark.parametrize("K, CB, DUAL, BN, BK, arch", [
+    (2, 1, True, 128, 32, 90), (2, 0, True, 128, 32, 90), (2, 1, False, 128, 32, 90), (2, 0, False, 64, 64, 90),
+    (1, 1, True, 128, 32, 90), (1, 0, False, 128, 32, 90), (4, 0, True, 128, 32, 80), (4, 1, False, 128, 32, 90)])
+def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, tmp_path):
     kernel = compiled(K, CB, DUAL, BN, BK, arch)
     assert kernel.metadata.shared == 0, "a decoded weight went through shared memory"
+    usage = resources(kernel.asm["cubin"], tmp_path)  # within ops.MMA_MAXNREG, nothing spilled
+    assert usage["REG"] <= (ops.MMA_MAXNREG[not DUAL] or 255) and usage["STACK"] == usage["LOCAL"] == 0, usage
     ptx = kernel.asm["ptx"]
     mmas = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
     assert mmas == (2 if DUAL else 1) * (BN // 64) * (BK // 16) * 2, "one MMA per 16 doubled K rows and warp tile"
