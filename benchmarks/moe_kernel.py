@@ -271,8 +271,10 @@ def main():
                    help="dense experts decoded and multiplied per launch (ops.DENSE_GROUP)")
     p.add_argument("--dense-tma", type=int, choices=(0, 1), default=int(ops.DENSE_TMA),
                    help="dense_gemm_tma (tensor descriptors) where the GPU has TMA (ops.DENSE_TMA)")
-    p.add_argument("--epilogue-warps", type=int, default=ops.EPILOGUE_WARPS,
-                   help="warps per program of the rotation and the epilogues (ops.EPILOGUE_WARPS)")
+    p.add_argument("--epilogue", type=int, nargs=4, default=[v for launch in ops.EPILOGUE for v in launch],
+                   metavar=("ROWS", "WARPS", "ROWS_LARGE", "WARPS_LARGE"),
+                   help="rows and warps a program of the rotation and the epilogues, up to ops.EPILOGUE_SMALL rows "
+                        "and beyond (ops.EPILOGUE)")
     p.add_argument("--mma-maxnreg", type=int, nargs=2, default=ops.MMA_MAXNREG, metavar=("GATE_UP", "DOWN"),
                    help="registers a thread grouped_mma may take (ops.MMA_MAXNREG; 0: the compiler's choice)")
     p.add_argument("--json")
@@ -280,7 +282,8 @@ def main():
     ops.DENSE_ROWS, ops.DENSE_TILE, ops.DENSE_GROUP = args.dense_rows, tuple(args.dense_tile), args.dense_group
     ops.DENSE_TMA = bool(args.dense_tma)
     ops.DECODER, ops.SWAP_AB, ops.GEMV_ROWS = args.decoder, set(args.swap), args.gemv_rows
-    ops.MMA_ROWS, ops.EPILOGUE_WARPS, ops.MMA_MAXNREG = args.mma_rows, args.epilogue_warps, tuple(args.mma_maxnreg)
+    ops.MMA_ROWS, ops.MMA_MAXNREG = args.mma_rows, tuple(args.mma_maxnreg)
+    ops.EPILOGUE = tuple(args.epilogue[:2]), tuple(args.epilogue[2:])
     if args.fill and not args.sweep:
         ops.FILL = dict.fromkeys(ops.FILL, args.fill[0])
     if args.tuned:

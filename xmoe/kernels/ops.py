@@ -103,7 +103,11 @@ DENSE_GROUP = 32  # 377 MB of decoded weights per launch at V4.1 shapes; 8 and 1
 # When at most this many experts would be left to the grouped kernels, they go dense too: the grouped kernels
 # give each chunk and column block one program, so a few experts would leave most multiprocessors idle.
 DENSE_REST = 8
-EPILOGUE_SMALL = 256  # rows up to which the prologue and epilogues take 16 rows a program (epilogue_rows)
+EPILOGUE_SMALL = 256  # rows up to which the prologue and epilogues take EPILOGUE[0]'s launch, beyond EPILOGUE[1]
+# (rows, warps) a program of the rotation and the epilogues, for a few rows and for many (epilogue_launch). Each
+# program reads the 32 KB Hadamard matrix, so many rows take more a program (at 16, prefill spent more on those
+# reads than on its rows); at 6 and 48 tokens 2 or 8 warps were slower than 4 on the H200.
+EPILOGUE = ((16, 4), (64, 4))
 # Tokens up to which the combine stacks a few tokens' slots into one product a program (combine_stacked): on the
 # H200, in one run, 6.0 us at 6 tokens where one program per 16 tokens took 14.1; at 48 tokens 23.9 against 13.4.
 COMBINE_STACKED = 16
@@ -111,8 +115,6 @@ COMBINE_STACKED = 16
 # without a limit it takes 64 and 40). More registers let it issue the next K step's loads earlier in the loop;
 # on the H200 at 72, 6 skewed tokens were 5% and 48 skewed 9% faster, uniform calls within 1%.
 MMA_MAXNREG = (72, 72)
-# Warps per program of the rotation and the epilogues: 2 and 8 were slower than 4 on the H200 at 6 and 48 tokens.
-EPILOGUE_WARPS = 4
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
 # finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16).
 FILL = {"mma": 16, "gemv": 32, "decode": 4, "prefill": 4}
@@ -192,10 +194,9 @@ CODEBOOK_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
 MASK_8FFF = 0x8FFF8FFF - (1 << 32)  # the codebooks' mask as an int32 argument of grouped_gemv
 
 
-def epilogue_rows(rows: int) -> int:
-    """Rows per program of the rotation prologue and the epilogues: each program reads the 32 KB Hadamard
-    matrix, so many rows take 64 a program (at 16, prefill spent more on those reads than on its rows)."""
-    return 16 if rows <= EPILOGUE_SMALL else 64
+def epilogue_launch(rows: int) -> tuple:
+    """(rows, warps) a program of the rotation prologue and the epilogues of a call of `rows` rows."""
+    return EPILOGUE[rows > EPILOGUE_SMALL]
 
 
 def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int, launch: Launch):
@@ -205,10 +206,10 @@ def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int, l
     a0 = _act_buffer(P, w.k, launch, x.device)
     a1 = _act_buffer(P, w.k, launch, x.device) if second is not None else a0
     stride_se = w.suh.shape[-1] if w.experts else 0
-    BM = epilogue_rows(P)
+    BM, warps = epilogue_launch(P)
     rotate_rows[(-(-P // BM), w.k // 128)](x, x.stride(0), rows, expert, w.suh, (second or w).suh, a0, a1,
                                            _had(str(x.device)), P, w.k, max(w.experts, 1), stride_se,
-                                           DUAL=second is not None, BM=BM, num_warps=EPILOGUE_WARPS)
+                                           DUAL=second is not None, BM=BM, num_warps=warps)
     return a0, a1
 
 
@@ -464,10 +465,10 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
         part = torch.empty(launch.split, M, w.n, device=dev, dtype=torch.float32)
         _gemm(a0, a0, chunks, w, part, None, None, launch)
     out = torch.empty(M, w.out_features, device=dev, dtype=x.dtype)
-    BM = epilogue_rows(M)
+    BM, warps = epilogue_launch(M)
     linear_epilogue[(-(-M // BM), w.n // 128)](part, w.svh, bias if bias is not None else w.svh, out, _had(str(dev)),
                                                M, w.n, w.out_features, HAS_BIAS=bias is not None,
-                                               SPLIT=part.shape[0], BM=BM, num_warps=EPILOGUE_WARPS)
+                                               SPLIT=part.shape[0], BM=BM, num_warps=warps)
     return out.reshape(*x.shape[:-1], w.out_features)
 
 
@@ -511,11 +512,11 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         _gemm(a0, a1, chunks, g, pg, pu, experts.up, up_launch)
     _dense_products(hot, a0, a1, g, experts.up, pg, pu)
     mid = _act_buffer(P, g.n, down_launch, dev)
-    BM = epilogue_rows(P)
+    BM, warps = epilogue_launch(P)
     act_epilogue[(-(-P // BM), g.n // 128)](pg, pu, r.sorted_expert, g.svh, experts.up.svh, d.suh, _had(str(dev)),
                                             mid, P, g.n, experts.intermediate, E, float(limit or 0.0),
                                             HAS_LIMIT=limit is not None, SPLIT=up_launch.split, BM=BM,
-                                            num_warps=EPILOGUE_WARPS)
+                                            num_warps=warps)
     pd = torch.empty(down_launch.split, P, d.n, device=dev, dtype=torch.float32)
     if grouped:
         _gemm(mid, mid, chunks, d, pd, None, None, down_launch)
@@ -527,9 +528,9 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         TP = 1 << (top_k - 1).bit_length()
         BT = max(1, 16 // TP)  # tokens whose slots make one product of 16 rows
         combine_stacked[(-(-M // BT), d.n // 128)](*args, TOPK=top_k, TP=TP, SPLIT=down_launch.split, BT=BT,
-                                                   num_warps=EPILOGUE_WARPS)
+                                                   num_warps=epilogue_launch(M)[1])
     else:
-        BM = epilogue_rows(M)
+        BM, warps = epilogue_launch(M)
         combine_epilogue[(-(-M // BM), d.n // 128)](*args, TOPK=top_k, SPLIT=down_launch.split, BM=BM,
-                                                    num_warps=EPILOGUE_WARPS)
+                                                    num_warps=warps)
     return out
