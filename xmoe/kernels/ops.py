@@ -106,7 +106,9 @@ DENSE_REST = 8
 EPILOGUE_SMALL = 256  # rows up to which the prologue and epilogues take EPILOGUE[0]'s launch, beyond EPILOGUE[1]
 # (rows, warps) a program of the rotation and the epilogues, for a few rows and for many (epilogue_launch). Each
 # program reads the 32 KB Hadamard matrix, so many rows take more a program (at 16, prefill spent more on those
-# reads than on its rows); at 6 and 48 tokens 2 or 8 warps were slower than 4 on the H200.
+# reads than on its rows). On the H200, 2 or 8 warps were slower than 4 at 6 and 48 tokens; at 1,542 and 4,096
+# skewed tokens the three kernels together took 26-37% longer at 64 rows and 8 warps, 1.45-1.5x at 16 rows and 4,
+# 2.0-2.5x at 32 or 16 rows and 8 (docs/data/moe_kernel_h200_epilogue_sweep.txt).
 EPILOGUE = ((16, 4), (64, 4))
 # Tokens up to which the combine stacks a few tokens' slots into one product a program (combine_stacked): on the
 # H200, in one run, 6.0 us at 6 tokens where one program per 16 tokens took 14.1; at 48 tokens 23.9 against 13.4.
