@@ -115,7 +115,7 @@ EPILOGUE = ((16, 4), (64, 4))
 COMBINE_STACKED = 16
 # Registers a thread ptxas may give grouped_mma, for gate and up together and for down alone (0: its own choice;
 # without a limit it takes 64 and 40). More registers let it issue the next K step's loads earlier in the loop;
-# on the H200 at 72, in two alternating rounds, skewed calls of 6-48 tokens were 2-13% faster, uniform 0-2%.
+# on the H200 at 72, in two alternating rounds, skewed calls of 6-48 tokens were 2-13% faster, uniform -1% to +4%.
 MMA_MAXNREG = (72, 72)
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
 # finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16).
