@@ -327,7 +327,7 @@ def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr,
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
     acc = tl.zeros((BM, 128), tl.float32)
-    for j in tl.static_range(TOPK):
+    for j in tl.range(TOPK, num_stages=1):  # a loop, not unrolled (every slot's loads hoisted spilled), not pipelined
         slot = rows * TOPK + j
         e = tl.load(slot_expert_ptr + slot, mask=rows < M, other=-1).to(tl.int64)
         live = (rows < M) & (e >= 0)
