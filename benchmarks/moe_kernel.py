@@ -242,9 +242,11 @@ def profile(experts, dev, tokens, skew=False):
 
 
 def main():
+    global K
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[6, 12, 24, 48, 1542, 4096])
     p.add_argument("--no-stock", action="store_true")
+    p.add_argument("--bits", type=int, default=K, help="K of every expert projection (V4.1's pack: 2)")
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--shared-experts", action="store_true", help="every layer of the stack uses the same experts")
     p.add_argument("--profile", action="store_true", help="per-kernel time of one call per token count")
@@ -289,6 +291,7 @@ def main():
     if args.tuned:
         for regime, cfg in json.loads(Path(args.tuned).read_text()).items():
             ops.TUNED[regime, args.decoder == "tiled"] = tuple(cfg)
+    K = args.bits
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")

@@ -24,10 +24,10 @@ def funnel(lo: int, hi: int, shift: int) -> int:
     return ((hi << 32 | lo) >> shift) & 0xFFFFFFFF
 
 
-@pytest.mark.parametrize("K", [1, 2, 4])
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
 def test_lane_states_match_the_format(K):
     """Lane L = 4 g + t, register q = 4 c3 + 2 j + r0 (gluon_mma.tile_layout): the state the kernel derives from
-    the lane's word and its neighbour lane's, at the input row and column it assigns, is the format's."""
+    the lane's word and its neighbour lanes', at the input row and column it assigns, is the format's."""
     trellis = torch.randint(-32768, 32768, (16 * K,), generator=torch.Generator().manual_seed(K), dtype=torch.int16)
     t16 = trellis.to(torch.int64) & 0xFFFF
     words = (t16[0::2] | t16[1::2] << 16).tolist()
@@ -36,9 +36,17 @@ def test_lane_states_match_the_format(K):
         g, t = divmod(lane, 4)
         word = K * 8 * lane // 32
         lo, hi = words[word], words[K * 8 * ((lane + 32 - 4 // K) % 32) // 32]  # the shuffled neighbour's word
+        if K == 3:  # lane (4 j + 2) // 3 loads word j, the one its first window ends in
+            word = (24 * lane + 11) // 32
+            src = (4 * ((word + 23) % 24) + 2) // 3
+            lo, hi, later = words[word], words[(24 * src + 11) // 32], words[(24 * (lane + (t == 2)) + 11) // 32]
         for q in range(8):
             c3, j, r0 = q >> 2, (q >> 1) & 1, q & 1
-            if K == 2 and q % 2:  # two bytes of the window (q = 3, 7) or of the window >> 4 (q = 1, 5)
+            if K == 3:
+                end = 24 * lane + 12 + 12 * (q // 4)
+                window = funnel(lo if q < 4 else later, hi if q < 4 or t != 2 else lo, 32 * ((end - 1) // 32 + 1) - end)
+                state = window & 0xFFFF if q % 4 == 3 else ((window << 7 + 3 * (q % 4)) & 0xFFFFFFFF) >> 16
+            elif K == 2 and q % 2:  # two bytes of the window (q = 3, 7) or of the window >> 4 (q = 1, 5)
                 source = funnel(lo, hi, 16 - 16 * (t & 1) + (0 if q % 4 == 3 else 4))
                 state = (source >> (8 if q < 4 else 0)) & 0xFFFF
             elif K == 2:
@@ -79,7 +87,8 @@ def resources(cubin: bytes, tmp_path: Path) -> dict:
 
 @pytest.mark.parametrize("K, CB, DUAL, BN, BK, arch", [
     (2, 1, True, 128, 32, 90), (2, 0, True, 128, 32, 90), (2, 1, False, 128, 32, 90), (2, 0, False, 64, 64, 90),
-    (1, 1, True, 128, 32, 90), (1, 0, False, 128, 32, 90), (4, 0, True, 128, 32, 80), (4, 1, False, 128, 32, 90)])
+    (1, 1, True, 128, 32, 90), (1, 0, False, 128, 32, 90), (4, 0, True, 128, 32, 80), (4, 1, False, 128, 32, 90),
+    (3, 1, True, 128, 32, 90), (3, 0, False, 128, 32, 90)])
 def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, tmp_path):
     kernel = compiled(K, CB, DUAL, BN, BK, arch)
     assert kernel.metadata.shared == 0, "a decoded weight went through shared memory"

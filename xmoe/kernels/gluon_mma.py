@@ -7,7 +7,7 @@ through shared memory. Each weight enters the MMA as its codebook word's two fp1
 the activation doubled, so the tensor cores add the halves: per weight only the state's extraction (two shifts,
 or one byte permute) and the codebook's IMAD and LOP3 remain, shared between the integer and FMA pipes. A chunk
 carries up to ROWS rows of one expert (the MMA's N), each decoded weight serving all of them. 3INST and MCG at
-K = 1, 2, 4; other cases take triton_gemv or triton_exl3.
+K = 1, 2, 3, 4; other cases take triton_gemv or triton_exl3.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -73,11 +73,23 @@ def byte_pair(x, sel):
 
 
 @gluon.jit
-def lane_states(lo, hi, shift, t, q, K: gl.constexpr):
-    """The 16-bit states of each lane's 8 weights q from its words. At K = 2 they all lie in one 30-bit window
-    (hi:lo >> 16 for even lanes, lo for odd ones), state q ending 14 - 2 q bits up. Odd q start on a byte of the
-    window or of the window >> 4: one PRMT each. Even q are shifted to the top and back down, by constants, and
-    the left shift goes to the FMA pipe (IMAD.SHL), as the integer pipe carries the PRMTs and the codebook's LOP3."""
+def lane_states(lo, src, shift, lane, t, q, K: gl.constexpr):
+    """The 16-bit states of each lane's 8 weights q from its word lo and the word before it (lane src's). At K = 1,
+    2, 4 all 8 end in lo. At K = 2 they lie in one 30-bit window (hi:lo >> 16 for even lanes, lo for odd ones),
+    state q ending 14 - 2 q bits up. Odd q start on a byte of the window or of the window >> 4: one PRMT each. Even q
+    are shifted to the top and back down, by constants, and the left shift goes to the FMA pipe (IMAD.SHL), as the
+    integer pipe carries the PRMTs and the codebook's LOP3. At K = 3 a lane's states span 37 bits: q < 4 lie in the
+    32 bits ending 12 bits past the lane's first, q >= 4 in the 32 ending 24 past, each window one funnel shift of
+    lo and the word before or of the word after (lane + 1's, for t = 2 only) and lo; state q ends 3 (3 - q % 4)
+    bits up its window."""
+    hi = from_lane(lo, src)
+    if K == 3:
+        later = from_lane(lo, gl.where(t == 2, lane + 1, lane))
+        window = funnel(gl.where(q < 4, lo, later), gl.where((q < 4) | (t != 2), hi, lo), shift)
+        top = gl.inline_asm_elementwise("mul.lo.u32 $0, $1, $2;", "=r,r,r",
+                                        [window, (128 << (3 * (q % 4))).to(gl.uint32)],
+                                        dtype=gl.uint32, is_pure=True, pack=1)  # << 7 + 3 (q % 4), as a multiply
+        return gl.where(q % 4 == 3, window & 0xFFFF, top >> 16)
     if K == 2:
         base = (16 - 16 * (t & 1)).to(gl.uint32)
         window = funnel(lo, hi, base)
@@ -154,11 +166,17 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
     t = axis(4, 6, 7, TILE)
     lane = 4 * axis(8, 2, 7, TILE) + t
     q = 4 * axis(2, 1, 7, TILE) + 2 * axis(2, 4, 7, TILE) + axis(2, 5, 7, TILE)
-    word = (K * 8 * lane) // 32  # K <= 4: all 8 states of a lane end in one word
-    shift = (32 * (word + 1) - K * (8 * lane + q + 1)).to(gl.uint32)
+    if K == 3:  # the word where the lane's first window (q < 4) ends; that window's end, or the second's
+        word = (24 * lane + 11) // 32
+        end = 24 * lane + 12 + 12 * (q // 4)
+        shift = (32 * ((end - 1) // 32 + 1) - end).to(gl.uint32)
+        src = (4 * ((word + W - 1) % W) + 2) // 3  # lane (4 j + 2) // 3 loads word j
+    else:  # K = 1, 2, 4: all 8 states of a lane end in one word
+        word = (K * 8 * lane) // 32
+        shift = (32 * (word + 1) - K * (8 * lane + q + 1)).to(gl.uint32)
+        src = (lane + 32 - 4 // K) % 32  # the lane whose word is the one before this lane's
     tile = axis(TK, 3, 7, TILE) * ((n // 16) * W) + (pid_n * TN + axis(TN, 0, 7, TILE)) * W
     lo_off = tile + word
-    src = (lane + 32 - 4 // K) % 32  # the lane whose word is the one before this lane's
 
     rows = axis(ROWS, 3, 4, ACT)
     a_off = (pos + rows) * k + 8 * axis(BK // 8, 0, 4, ACT) + 2 * axis(4, 1, 4, ACT) + axis(2, 2, 4, ACT)
@@ -179,10 +197,10 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
         next_lo1, next_x1 = next_lo0, next_x0
         if DUAL:
             next_lo1, next_x1 = load_step(w1, a1_ptr, nxt, stride_step, lo_off, a_off, BK)
-        w = decode_operand(lane_states(lo0, from_lane(lo0, src), shift, t, q, K), mask, CB, BN, BK, A)
+        w = decode_operand(lane_states(lo0, src, shift, lane, t, q, K), mask, CB, BN, BK, A)
         acc0 = mma_v2(w, act_operand(x0, BK, B), acc0)
         if DUAL:
-            w = decode_operand(lane_states(lo1, from_lane(lo1, src), shift, t, q, K), mask, CB, BN, BK, A)
+            w = decode_operand(lane_states(lo1, src, shift, lane, t, q, K), mask, CB, BN, BK, A)
             acc1 = mma_v2(w, act_operand(x1, BK, B), acc1)
         lo0, x0, lo1, x1 = next_lo0, next_x0, next_lo1, next_x1
 

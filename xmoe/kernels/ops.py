@@ -146,8 +146,10 @@ def mma_refusal(w: Exl3Weight, device: torch.device) -> str | None:
     """Why grouped_mma cannot take w's products on `device`, or None when it can (said once per reason)."""
     if device.type != "cuda":
         return "Gluon kernels run on CUDA GPUs only"
-    if not (_tiled(w.K) and w.K <= 4 and w.codebook in ("3inst", "mcg")):
-        reason = f"K = {w.K} with the {w.codebook} codebook (it decodes 3INST and MCG at K = 1, 2, 4)"
+    if DECODER != "tiled":
+        reason = f"ops.DECODER is {DECODER!r}"
+    elif not (w.K in (1, 2, 3, 4) and w.codebook in ("3inst", "mcg")):
+        reason = f"K = {w.K} with the {w.codebook} codebook (it decodes 3INST and MCG at K = 1, 2, 3, 4)"
     else:
         reason = _gluon_refusal()
     if reason:
@@ -168,8 +170,8 @@ def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float 
     """Tile sizes by regime (gemv=False: never grouped_gemv or grouped_mma; mma: grouped_mma can run); enough K
     splits to give each multiprocessor about FILL programs."""
     tiled = _tiled(K)
-    mode = regime(rows_per_chunk, tiled and gemv, tiled and gemv and mma)
-    BM, BK, BN, warps, stages = TUNED[mode, tiled]
+    mode = regime(rows_per_chunk, tiled and gemv, gemv and mma)
+    BM, BK, BN, warps, stages = TUNED[mode, tiled or mode == "mma"]
     BN = min(BN, n)
     while n % BN:  # n is a multiple of 128, BN a power of two: every column block whole
         BN //= 2
