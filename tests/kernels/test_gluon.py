@@ -17,7 +17,7 @@ from triton import compile as triton_compile  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from xmoe.kernels import ops  # noqa: E402
-from xmoe.kernels.gluon_mma import grouped_mma  # noqa: E402
+from xmoe.kernels.gluon_mma import decode_weights, grouped_mma  # noqa: E402
 
 
 def funnel(lo: int, hi: int, shift: int) -> int:
@@ -99,3 +99,20 @@ def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, t
     assert mmas == (2 if DUAL else 1) * (BN // 64) * (BK // 16) * 2, "one MMA per 16 doubled K rows and warp tile"
     assert "shfl.sync.idx.b32" in ptx and "ld.shared" not in ptx
     assert ("prmt.b32" in ptx) == (K == 2), "at K = 2 the byte-aligned states are picked by PRMT"
+
+
+@pytest.mark.parametrize("K, CB", [(2, 1), (3, 0), (4, 1)])
+def test_decode_weights_compiles_without_shared_memory(K, CB, tmp_path):
+    """The dense path's decoder (gluon_mma.decode_weights): grouped_mma's lanes, stored from registers."""
+    const = dict(W=8 * K, K=K, CB=CB, BN=128, BK=32, STEPS=8)
+    pointers = {"t_ptr": "*i32", "expert_ptr": "*i32", "out_ptr": "*fp16"}
+    scalars = {"k": "i32", "n": "i32", "stride_te": "i32", "mask": "i32"}
+    names = [*pointers, *scalars, *const]
+    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in [*pointers, "k", "n", "stride_te"]}
+    src = gluon._runtime.GluonASTSource(decode_weights, signature={**pointers, **scalars, **dict.fromkeys(const, "constexpr")},
+                                        attrs=aligned, constexprs={(names.index(a),): v for a, v in const.items()})
+    kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert kernel.metadata.shared == 0, "the decoded weights went through shared memory"
+    usage = resources(kernel.asm["cubin"], tmp_path)
+    assert usage["STACK"] == usage["LOCAL"] == 0, usage
+    assert "shfl.sync.idx.b32" in kernel.asm["ptx"] and "st.global.b16" in kernel.asm["ptx"]

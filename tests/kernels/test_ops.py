@@ -337,7 +337,7 @@ def test_dense_path_gpu(monkeypatch):
     """decode_experts bit-exact at every K and codebook; every expert taken densely (DENSE_ROWS 1) on MoE cases."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    for K, cb in ((1, "mcg"), (2, "mcg"), (2, "3inst"), (3, "mul1"), (4, "mcg"), (8, "mul1")):
+    for K, cb in ((1, "mcg"), (2, "mcg"), (2, "3inst"), (3, "mcg"), (3, "3inst"), (3, "mul1"), (4, "mcg"), (8, "mul1")):
         check_decode(1024, 384, K, cb, "cuda")
     monkeypatch.setattr(ops, "DENSE_ROWS", 1)
     for case in GPU_MOE[::7] + GPU_LINEAR[::5]:

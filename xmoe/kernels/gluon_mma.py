@@ -102,13 +102,36 @@ def lane_states(lo, src, shift, lane, t, q, K: gl.constexpr):
 
 
 @gluon.jit
-def decode_operand(state, mask, CB: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, A: gl.constexpr):
-    """The (BN, 2 BK) fp16 A operand of a block from its states: each weight's codebook word split in halves."""
+def lane_words(lane, q, K: gl.constexpr):
+    """The word each lane loads (the one its states end in; at K = 3 the one its first window ends in), the shifts
+    of its states (at K = 3 of their windows) and the lane that loads the word before. Format: the state of
+    position p ends at stream bit K (p + 1)."""
+    if K == 3:
+        word = (24 * lane + 11) // 32
+        end = 24 * lane + 12 + 12 * (q // 4)
+        shift = 32 * ((end - 1) // 32 + 1) - end
+        src = (4 * ((word + 23) % 24) + 2) // 3  # lane (4 j + 2) // 3 loads word j
+    else:  # K = 1, 2, 4: all 8 states of a lane end in one word
+        word = (K * 8 * lane) // 32
+        shift = 32 * (word + 1) - K * (8 * lane + q + 1)
+        src = (lane + 32 - 4 // K) % 32
+    return word, shift.to(gl.uint32), src
+
+
+@gluon.jit
+def codewords(state, mask, CB: gl.constexpr):
+    """3INST (CB 0) and MCG (CB 1): each state's codebook word, a pair of fp16 halves whose sum is its weight."""
     if CB == 0:
         x = state * 89226354 + 64248484
     else:
         x = state * 0xCBAC1FED
-    low, high = halves(gl.reshape((x & mask) ^ 0x3B603B60, [BN, BK]))
+    return (x & mask) ^ 0x3B603B60
+
+
+@gluon.jit
+def decode_operand(state, mask, CB: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, A: gl.constexpr):
+    """The (BN, 2 BK) fp16 A operand of a block from its states: each weight's codebook word split in halves."""
+    low, high = halves(gl.reshape(codewords(state, mask, CB), [BN, BK]))
     return gl.convert_layout(gl.reshape(gl.join(low, high), [BN, 2 * BK]), A, assert_trivial=True)
 
 
@@ -162,19 +185,11 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
     w0 = t0_ptr + e * stride_te
     w1 = t1_ptr + e * stride_te
 
-    # each lane's words and shifts (format: the state of position p ends at stream bit K (p + 1))
+    # each lane's words and shifts
     t = axis(4, 6, 7, TILE)
     lane = 4 * axis(8, 2, 7, TILE) + t
     q = 4 * axis(2, 1, 7, TILE) + 2 * axis(2, 4, 7, TILE) + axis(2, 5, 7, TILE)
-    if K == 3:  # the word where the lane's first window (q < 4) ends; that window's end, or the second's
-        word = (24 * lane + 11) // 32
-        end = 24 * lane + 12 + 12 * (q // 4)
-        shift = (32 * ((end - 1) // 32 + 1) - end).to(gl.uint32)
-        src = (4 * ((word + W - 1) % W) + 2) // 3  # lane (4 j + 2) // 3 loads word j
-    else:  # K = 1, 2, 4: all 8 states of a lane end in one word
-        word = (K * 8 * lane) // 32
-        shift = (32 * (word + 1) - K * (8 * lane + q + 1)).to(gl.uint32)
-        src = (lane + 32 - 4 // K) % 32  # the lane whose word is the one before this lane's
+    word, shift, src = lane_words(lane, q, K)
     tile = axis(TK, 3, 7, TILE) * ((n // 16) * W) + (pid_n * TN + axis(TN, 0, 7, TILE)) * W
     lo_off = tile + word
 
@@ -211,3 +226,31 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
     gl.store(p0_ptr + out, acc0, mask=out_mask)
     if DUAL:
         gl.store(p1_ptr + out, acc1, mask=out_mask)
+
+
+@gluon.jit
+def decode_weights(t_ptr, expert_ptr, out_ptr, k, n, stride_te, mask, W: gl.constexpr, K: gl.constexpr,
+                   CB: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STEPS: gl.constexpr):
+    """triton_exl3.decode_weights for grouped_mma's cases: out[i] = W-hat of expert expert[i] (program axis 2) as
+    (k, n) fp16, STEPS blocks of (BK, BN) a program, each lane decoding and storing its 8 weights of a tile as
+    grouped_mma decodes them (a weight: the sum of its codebook word's halves, in fp16 as the format has it)."""
+    TN: gl.constexpr = BN // 16
+    TK: gl.constexpr = BK // 16
+    TILE: gl.constexpr = tile_layout(TN, TK, gl.num_warps())
+    e = gl.load(expert_ptr + gl.program_id(2)).to(gl.int64)
+    t = axis(4, 6, 7, TILE)
+    g = axis(8, 2, 7, TILE)
+    c3, j, r0 = axis(2, 1, 7, TILE), axis(2, 4, 7, TILE), axis(2, 5, 7, TILE)
+    q = 4 * c3 + 2 * j + r0
+    lane = 4 * g + t
+    word, shift, src = lane_words(lane, q, K)
+    nt = gl.program_id(1) * TN + axis(TN, 0, 7, TILE)
+    lo_off = axis(TK, 3, 7, TILE) * ((n // 16) * W) + nt * W + word
+    row = 16 * axis(TK, 3, 7, TILE) + 8 * j + 2 * t + r0
+    out = out_ptr + gl.program_id(2).to(gl.int64) * k * n + row * n + 16 * nt + 8 * c3 + g
+    stride_step = TK * (n // 16) * W
+    first = gl.program_id(0) * STEPS
+    for step in range(first, gl.minimum(k // BK, first + STEPS)):
+        lo = gl.load(t_ptr + e * stride_te + step * stride_step + lo_off).to(gl.uint32, bitcast=True)
+        low, high = halves(codewords(lane_states(lo, src, shift, lane, t, q, K), mask, CB))
+        gl.store(out + step * BK * n, low + high)

@@ -277,8 +277,16 @@ def decode_experts(w: Exl3Weight, ids: torch.Tensor) -> torch.Tensor:
     tiled = _tiled(w.K)
     out = torch.empty(len(ids), w.k, w.n, device=words.device, dtype=torch.float16)
     BK, BN = 32, 128  # the fastest of six block shapes on an H200 (5120 x 5120: 30 us, 64 x 64: 41 us)
+    stride_te = words[0].numel() if w.experts else 0
+    if mma_refusal(w, words.device) is None:  # grouped_mma's decoding, from registers straight to memory
+        from .gluon_mma import decode_weights as decode_lanes
+        steps = 8  # blocks of BK rows a program
+        decode_lanes[(-(-w.k // (BK * steps)), w.n // BN, len(ids))](
+            words, ids, out, w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], K=int(w.K),
+            CB=CODEBOOK_ID[w.codebook], BN=BN, BK=BK, STEPS=steps, num_warps=4)
+        return out
     decode_weights[(w.k // BK, w.n // BN, len(ids))](
-        words, ids, _windows(w.K, str(words.device)), out, w.k, w.n, words[0].numel() if w.experts else 0,
+        words, ids, _windows(w.K, str(words.device)), out, w.k, w.n, stride_te,
         W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], BK=BK, BN=BN, TILED=tiled,
         KLOG=_klog(w.K, tiled))
     return out
