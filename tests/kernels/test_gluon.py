@@ -102,8 +102,8 @@ def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, t
 
 
 @pytest.mark.parametrize("K, CB", [(2, 1), (3, 0), (4, 1)])
-def test_decode_weights_compiles_without_shared_memory(K, CB, tmp_path):
-    """The dense path's decoder (gluon_mma.decode_weights): grouped_mma's lanes, stored from registers."""
+def test_decode_weights_compiles(K, CB, tmp_path):
+    """The dense path's decoder (gluon_mma.decode_weights): grouped_mma's lanes, stored in rows of 16 bytes."""
     const = dict(W=8 * K, K=K, CB=CB, BN=128, BK=32, STEPS=8)
     pointers = {"t_ptr": "*i32", "expert_ptr": "*i32", "out_ptr": "*fp16"}
     scalars = {"k": "i32", "n": "i32", "stride_te": "i32", "mask": "i32"}
@@ -112,7 +112,7 @@ def test_decode_weights_compiles_without_shared_memory(K, CB, tmp_path):
     src = gluon._runtime.GluonASTSource(decode_weights, signature={**pointers, **scalars, **dict.fromkeys(const, "constexpr")},
                                         attrs=aligned, constexprs={(names.index(a),): v for a, v in const.items()})
     kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert kernel.metadata.shared == 0, "the decoded weights went through shared memory"
     usage = resources(kernel.asm["cubin"], tmp_path)
     assert usage["STACK"] == usage["LOCAL"] == 0, usage
-    assert "shfl.sync.idx.b32" in kernel.asm["ptx"] and "st.global.b16" in kernel.asm["ptx"]
+    ptx = kernel.asm["ptx"]
+    assert "shfl.sync.idx.b32" in ptx and "st.global.v4.b32" in ptx and "st.global.b16" not in ptx, "16-byte stores"
