@@ -159,7 +159,6 @@ def test_dense_path_interpreter():
 def test_hot_expert_tables(monkeypatch, rows, rest, group):
     """The dense experts' tables: which experts go dense, and chunks of at most BM rows (pos, length, index in
     the group) covering each one's sorted rows in order, once."""
-    monkeypatch.setattr(ops, "DENSE_ROWS", rows)
     monkeypatch.setattr(ops, "DENSE_REST", rest)
     monkeypatch.setattr(ops, "DENSE_GROUP", group)
     BM = 16
@@ -167,7 +166,7 @@ def test_hot_expert_tables(monkeypatch, rows, rest, group):
         g = torch.Generator().manual_seed(trial)
         counts = (torch.rand(64, generator=g) ** 6 * 400).long() * (torch.rand(64, generator=g) < trial / 40)
         ends = counts.cumsum(0)
-        hot = ops._hot_experts((torch.stack([ends - counts, ends]).int(), None), 64, BM, torch.device("cpu"))
+        hot = ops._hot_experts((torch.stack([ends - counts, ends]).int(), None), 64, BM, rows, torch.device("cpu"))
         nonzero = [e for e in range(64) if counts[e]]
         dense = [e for e in nonzero if counts[e] >= rows]
         if len(nonzero) - len(dense) <= rest:
@@ -196,11 +195,21 @@ def test_mma_plan(monkeypatch):
     launch = ops.plan(36, 1152, 5120, 1.0, 132, mma=True)
     assert launch.mma and not launch.gemv and launch.BM == 8
     assert not ops.plan(36, 1152, 5120, 12.0, 132, mma=True).mma  # more rows per expert than a chunk holds
-    assert not ops.plan(36, 1152, 5120, 1.0, 132, K=3, mma=True).mma  # the gather decoder
+    assert ops.plan(36, 1152, 5120, 1.0, 132, K=3, mma=True).mma  # K = 3: no tiled decoder, but grouped_mma's
     monkeypatch.setitem(ops.TUNED, ("mma", True), (8, 32, 256, 4, 1))
     assert ops.plan(36, 1152, 5120, 1.0, 132, mma=True).BN == 128  # 256 does not divide 1,152 columns
     w = random_weight(256, 256, 2, "mul1")
     assert "mul1" in ops.mma_refusal(w, torch.device("cuda")) and "CUDA" in ops.mma_refusal(w, torch.device("cpu"))
+
+
+def test_dense_rows():
+    """Experts go dense from fewer rows where the grouped kernels would gather (K = 3) but gluon_mma decodes."""
+    gpu = torch.device("cuda")  # mma_refusal's answer for a CUDA device; nothing runs there
+    k3, k2, k3_mul1 = (random_weight(256, 256, K, cb) for K, cb in ((3, "mcg"), (2, "mcg"), (3, "mul1")))
+    untiled = ops.DENSE_ROWS_UNTILED if ops._gluon_refusal() is None else ops.DENSE_ROWS
+    assert ops._dense_rows((k2, k3), gpu) == untiled and ops._dense_rows((k2, k2), gpu) == ops.DENSE_ROWS
+    assert ops._dense_rows((k3_mul1,), gpu) == ops.DENSE_ROWS and ops._dense_rows((k3,), torch.device("cpu")) == \
+        ops.DENSE_ROWS
 
 
 def test_route_groups_slots_by_expert():

@@ -99,6 +99,10 @@ TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32,
 # (a dense layer: by the torch matmul), instead of being decoded again for every chunk of rows; DENSE_GROUP experts
 # are decoded per launch.
 DENSE_ROWS = 128
+# The same for the experts of a call whose grouped kernels would gather every weight's words (K = 3: no tiled
+# decoder) while gluon_mma decodes them densely: on the H200 at K = 3, 1,542 uniform tokens took 11.3 ms so
+# against 20.0-20.5 grouped (stock 12.4), 4,096 uniform 11.0 against 31.7 (stock 27.2).
+DENSE_ROWS_UNTILED = 16
 DENSE_GROUP = 32  # 377 MB of decoded weights per launch at V4.1 shapes; 8 and 16 were 1-3% slower on the H200
 # When at most this many experts would be left to the grouped kernels, they go dense too: the grouped kernels
 # give each chunk and column block one program, so a few experts would leave most multiprocessors idle.
@@ -326,7 +330,7 @@ def _tma(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class Hot:
-    """The experts of a call that go dense: those with at least DENSE_ROWS rows, or all of them where at most
+    """The experts of a call that go dense: those with at least _dense_rows rows, or all of them where at most
     DENSE_REST others are left. flags (experts + 1,) int32, 1 for dense; per group of DENSE_GROUP, (ids, pos,
     length, slot): the experts and dense_gemm's chunks (first sorted position, rows, index in the group), all on
     the device."""
@@ -353,7 +357,14 @@ def _runs_to_host(r: Routing, experts: int) -> tuple:
     return host, done
 
 
-def _hot_experts(runs: tuple, experts: int, BM: int, device: torch.device) -> Hot | None:
+def _dense_rows(weights: tuple, device: torch.device) -> int:
+    """Rows from which a call's expert goes dense: DENSE_ROWS, or DENSE_ROWS_UNTILED where a projection has no
+    tiled grouped decoder but gluon_mma's decode_weights (K = 3 3INST or MCG)."""
+    untiled = any(not _tiled(w.K) and mma_refusal(w, device) is None for w in weights)
+    return DENSE_ROWS_UNTILED if untiled else DENSE_ROWS
+
+
+def _hot_experts(runs: tuple, experts: int, BM: int, rows: int, device: torch.device) -> Hot | None:
     """The call's dense experts (Hot), None if there are none, from _runs_to_host's copy: waits for it alone. Only
     for calls of at least DENSE_ROWS tokens, never inside a CUDA-graph capture. The tables go back in one copy
     from pinned memory, which does not wait for the kernels queued before it."""
@@ -362,7 +373,7 @@ def _hot_experts(runs: tuple, experts: int, BM: int, device: torch.device) -> Ho
         done.synchronize()
     starts, ends = host.numpy().astype(np.int64)  # numpy: with 384 experts, Python lists took 2-6x as long
     counts = ends - starts
-    hot = counts >= DENSE_ROWS
+    hot = counts >= rows
     rest = (counts > 0) & ~hot
     every = bool(rest.sum() <= DENSE_REST)  # then the few others go dense too
     if every:
@@ -515,7 +526,8 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     runs = _runs_to_host(r, E) if _dense_call(M, up_launch, dev) else None
     # the GPU rotates while the host waits for the runs and builds the tables of the dense experts
     a0, a1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
-    hot = _hot_experts(runs, E, _dense_tile(dev)[0], dev) if runs is not None else None
+    rows = _dense_rows((g, experts.up, d), dev)
+    hot = _hot_experts(runs, E, _dense_tile(dev)[0], rows, dev) if runs is not None else None
     grouped = not (hot and hot.every)  # some experts are left to the grouped kernels
     chunks = _without(r.chunks, hot, E) if hot and grouped else r.chunks
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
