@@ -7,7 +7,8 @@ through shared memory. Each weight enters the MMA as its codebook word's two fp1
 the activation doubled, so the tensor cores add the halves: per weight only the state's extraction (two shifts,
 or one byte permute) and the codebook's IMAD and LOP3 remain, shared between the integer and FMA pipes. A chunk
 carries up to ROWS rows of one expert (the MMA's N), each decoded weight serving all of them. 3INST and MCG at
-K = 1, 2, 3, 4; other cases take triton_gemv or triton_exl3.
+K = 1, 2, 3, 4; other cases take triton_gemv or triton_exl3. decode_weights decodes the same way for the dense
+path (experts with many rows, decoded once to fp16).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
