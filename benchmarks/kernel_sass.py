@@ -1,10 +1,11 @@
 """Static cost of the grouped EXL3 GEMM: compile it for sm_90 (no GPU needed: Triton ships ptxas and
 cuobjdump), then print registers, local-memory use and the SASS of the K loop per decoded weight and thread
 (grouped_gemv: per weight and row, for its one- and two-row loops). Arguments are aligned as at V4.1 shapes,
-which decides how Triton vectorises the loads. With --viterbi: the same for the fp16-pair Viterbi's step
-loop at K = 2, 3, 4, per candidate (65,536 a step).
+which decides how Triton vectorises the loads. With --mma: the same for gluon_mma's grouped_mma (at
+ops.MMA_MAXNREG) and decode_weights at K = 1-4. With --viterbi: the fp16-pair Viterbi's step loop at K = 2, 3,
+4, per candidate (65,536 a step).
 
-    python benchmarks/kernel_sass.py [--arch 90] [--viterbi]
+    python benchmarks/kernel_sass.py [--arch 90] [--mma | --viterbi]
 """
 import argparse
 import collections
@@ -93,13 +94,51 @@ def viterbi(arch: int, warps: int = 16) -> None:
               f"instructions per candidate ({', '.join(f'{op} {n / per:.2f}' for op, n in counts.most_common(10))})")
 
 
+def gluon_kernels(arch: int, CB: int = 1) -> None:
+    """grouped_mma (gate and up, and down alone) and decode_weights, MCG, at ops' launch settings."""
+    from triton.experimental import gluon
+    from xmoe.kernels import gluon_mma
+
+    _, BK, BN, warps, _ = ops.TUNED["mma", True]
+    mma_args = {**dict(ARGS[:8]), "p0_ptr": "*fp32", "p1_ptr": "*fp32", **dict(ARGS[11:]), "mask": "i32"}
+    mma_args.update(a0_ptr="*i32", a1_ptr="*i32")  # doubled fp16
+    decode_args = {"t_ptr": "*i32", "expert_ptr": "*i32", "out_ptr": "*fp16", "k": "i32", "n": "i32",
+                   "stride_te": "i32", "mask": "i32"}
+    print(f"gluon_mma, MCG, sm_{arch}, Triton {triton.__version__}, BN={BN} BK={BK} warps={warps}")
+    for K in (1, 2, 3, 4):
+        for name, fn, args, consts, registers in (
+                ("grouped_mma dual", gluon_mma.grouped_mma, mma_args,
+                 dict(W=8 * K, K=K, CB=CB, DUAL=True, BN=BN, BK=BK, SPLIT=1), ops.MMA_MAXNREG[0]),
+                ("grouped_mma", gluon_mma.grouped_mma, mma_args,
+                 dict(W=8 * K, K=K, CB=CB, DUAL=False, BN=BN, BK=BK, SPLIT=1), ops.MMA_MAXNREG[1]),
+                ("decode_weights", gluon_mma.decode_weights, decode_args,
+                 dict(W=8 * K, K=K, CB=CB, BN=128, BK=32, STEPS=8), 0)):
+            names = [*args, *consts]
+            aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in args
+                       if a.endswith("_ptr") or a in ("k", "n", "stride_te")}
+            src = gluon._runtime.GluonASTSource(fn, signature={**args, **dict.fromkeys(consts, "constexpr")},
+                                                attrs=aligned,
+                                                constexprs={(names.index(c),): v for c, v in consts.items()})
+            options = dict(num_warps=warps, **({"maxnreg": registers} if registers else {}))
+            cubin = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
+            usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
+            counts = max(loop_ops(tool("cuobjdump", cubin, "-sass")), key=lambda c: sum(c.values()))
+            per = (128 * 32 if name == "decode_weights" else BK * BN * (2 if "dual" in name else 1)) / (32 * warps)
+            top = ", ".join(f"{op} {n / per:.2f}" for op, n in counts.most_common(8))
+            print(f"K={K} {name:<16}: {usage.group(1)} registers, {usage.group(2)} B stack; K loop "
+                  f"{sum(counts.values()) / per:.2f} instructions per decoded weight ({top})")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--viterbi", action="store_true", help="the fp16-pair Viterbi instead of the GEMM kernels")
+    p.add_argument("--mma", action="store_true", help="gluon_mma's kernels instead of triton_exl3's")
     args = p.parse_args()
     if args.viterbi:
         return viterbi(args.arch)
+    if args.mma:
+        return gluon_kernels(args.arch)
     print(f"grouped_gemm, K=2 MCG, sm_{args.arch}, Triton {triton.__version__}")
     for name, BM, BN, BK, warps, stages, dual, tiled, swap, gemv in variants():
         kernel = compile_variant(args.arch, BM, BN, BK, warps, stages, dual, tiled, swap, gemv)

@@ -17,6 +17,7 @@ from triton import compile as triton_compile  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from xmoe.kernels import ops  # noqa: E402
+from xmoe.kernels import gluon_mma  # noqa: E402
 from xmoe.kernels.gluon_mma import decode_weights, grouped_mma  # noqa: E402
 
 
@@ -56,6 +57,16 @@ def test_lane_states_match_the_format(K):
             row, col = 8 * j + 2 * t + r0, 8 * c3 + g  # act_layout's input row of this MMA slot; the column
             assert tile_perm()[8 * lane + q] == 16 * row + col
             assert state == states[8 * lane + q], (lane, q)
+
+
+def test_tile_order_gives_rows_and_columns():
+    """gluon_mma.TILE_ORDER (decode_weights' permute) puts tile_layout's weight (nt, c3, g, kt, j, r0, t) at row
+    16 kt + 8 j + 2 t + r0 and column 16 nt + 8 c3 + g of its block, row-major (the layout's row and column are
+    checked against the format above)."""
+    TN, TK = 8, 2
+    nt, c3, g, kt, j, r0, t = torch.meshgrid(*(torch.arange(s) for s in (TN, 2, 8, TK, 2, 2, 4)), indexing="ij")
+    at = (16 * kt + 8 * j + 2 * t + r0) * 16 * TN + 16 * nt + 8 * c3 + g
+    assert torch.equal(at.permute(*gluon_mma.TILE_ORDER.value).reshape(-1), torch.arange(256 * TN * TK))
 
 
 POINTERS = {"a0_ptr": "*i32", "a1_ptr": "*i32", "chunk_pos_ptr": "*i32", "chunk_len_ptr": "*i32",

@@ -15,6 +15,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 ROWS = gl.constexpr(8)  # rows per chunk: the MMA's N
+# tile_layout's axes in (row, column) order: kt, j, t, r0 (input row 16 kt + 8 j + 2 t + r0), then nt, c3, g
+TILE_ORDER = gl.constexpr((3, 4, 6, 5, 0, 1, 2))
 
 
 @gluon.constexpr_function
@@ -256,5 +258,5 @@ def decode_weights(t_ptr, expert_ptr, out_ptr, k, n, stride_te, mask, W: gl.cons
     for step in range(first, gl.minimum(k // BK, first + STEPS)):
         lo = gl.load(t_ptr + e * stride_te + step * stride_step + lo_off).to(gl.uint32, bitcast=True)
         low, high = halves(codewords(lane_states(lo, src, shift, lane, t, q, K), mask, CB))
-        w = gl.reshape(gl.permute(low + high, [3, 4, 6, 5, 0, 1, 2]), [BK, BN])  # (row, column)
+        w = gl.reshape(gl.permute(low + high, TILE_ORDER.value), [BK, BN])
         gl.store(out + step * BK * n, gl.convert_layout(w, ROWS))
