@@ -75,15 +75,20 @@ POINTERS = {"a0_ptr": "*i32", "a1_ptr": "*i32", "chunk_pos_ptr": "*i32", "chunk_
 SCALARS = {"P": "i32", "k": "i32", "n": "i32", "stride_te": "i32", "mask": "i32"}
 
 
+def compile_gluon(fn, args: dict, const: dict, arch: int, **options):
+    """fn compiled for sm_`arch` (no GPU needed), its pointers and sizes aligned as at V4.1 shapes."""
+    names = [*args, *const]
+    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in args
+               if a.endswith("_ptr") or a in ("k", "n", "stride_te")}
+    src = gluon._runtime.GluonASTSource(fn, signature={**args, **dict.fromkeys(const, "constexpr")}, attrs=aligned,
+                                        constexprs={(names.index(a),): v for a, v in const.items()})
+    return triton_compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
 def compiled(K: int, CB: int, DUAL: bool, BN: int, BK: int, arch: int):
     const = dict(W=8 * K, K=K, CB=CB, DUAL=DUAL, BN=BN, BK=BK, SPLIT=1)
-    names = [*POINTERS, *SCALARS, *const]
-    signature = {**POINTERS, **SCALARS, **dict.fromkeys(const, "constexpr")}
-    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in [*POINTERS, "k", "n", "stride_te"]}
-    src = gluon._runtime.GluonASTSource(grouped_mma, signature=signature, attrs=aligned,
-                                        constexprs={(names.index(a),): v for a, v in const.items()})
-    registers = ops._maxnreg(ops.MMA_MAXNREG[not DUAL])
-    return triton_compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, **registers})
+    return compile_gluon(grouped_mma, {**POINTERS, **SCALARS}, const, arch, num_warps=4,
+                         **ops._maxnreg(ops.MMA_MAXNREG[not DUAL]))
 
 
 def resources(cubin: bytes, tmp_path: Path) -> dict:
@@ -115,14 +120,9 @@ def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, t
 @pytest.mark.parametrize("K, CB", [(2, 1), (3, 0), (4, 1)])
 def test_decode_weights_compiles(K, CB, tmp_path):
     """The dense path's decoder (gluon_mma.decode_weights): grouped_mma's lanes, stored in rows of 16 bytes."""
-    const = dict(W=8 * K, K=K, CB=CB, BN=128, BK=32, STEPS=8)
-    pointers = {"t_ptr": "*i32", "expert_ptr": "*i32", "out_ptr": "*fp16"}
-    scalars = {"k": "i32", "n": "i32", "stride_te": "i32", "mask": "i32"}
-    names = [*pointers, *scalars, *const]
-    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in [*pointers, "k", "n", "stride_te"]}
-    src = gluon._runtime.GluonASTSource(decode_weights, signature={**pointers, **scalars, **dict.fromkeys(const, "constexpr")},
-                                        attrs=aligned, constexprs={(names.index(a),): v for a, v in const.items()})
-    kernel = triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    args = {"t_ptr": "*i32", "expert_ptr": "*i32", "out_ptr": "*fp16", "k": "i32", "n": "i32", "stride_te": "i32",
+            "mask": "i32"}
+    kernel = compile_gluon(decode_weights, args, dict(W=8 * K, K=K, CB=CB, BN=128, BK=32, STEPS=8), 90, num_warps=4)
     usage = resources(kernel.asm["cubin"], tmp_path)
     assert usage["STACK"] == usage["LOCAL"] == 0, usage
     ptx = kernel.asm["ptx"]
