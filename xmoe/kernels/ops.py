@@ -100,7 +100,7 @@ TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32,
 # are decoded per launch.
 DENSE_ROWS = 128
 # The same for the experts of a call whose grouped kernels would gather every weight's words (K = 3: no tiled
-# decoder) while gluon_mma decodes them densely: on the H200 at K = 3, 1,542 uniform tokens took 11.3 ms so
+# decoder) while gluon_mma decodes them densely: on the H200 at K = 3, 1,542 uniform tokens took 11.3 ms this way
 # against 20.0-20.5 grouped (stock 12.4), 4,096 uniform 11.0 against 31.7 (stock 27.2).
 DENSE_ROWS_UNTILED = 16
 DENSE_GROUP = 32  # 377 MB of decoded weights per launch at V4.1 shapes; 8 and 16 were 1-3% slower on the H200
@@ -282,7 +282,7 @@ def decode_experts(w: Exl3Weight, ids: torch.Tensor) -> torch.Tensor:
     out = torch.empty(len(ids), w.k, w.n, device=words.device, dtype=torch.float16)
     BK, BN = 32, 128  # the fastest of six block shapes on an H200 (5120 x 5120: 30 us, 64 x 64: 41 us)
     stride_te = words[0].numel() if w.experts else 0
-    if mma_refusal(w, words.device) is None:  # grouped_mma's decoding, from registers straight to memory
+    if mma_refusal(w, words.device) is None:  # grouped_mma's decoding (gluon_mma.decode_weights)
         from .gluon_mma import decode_weights as decode_lanes
         steps = 8  # blocks of BK rows a program
         decode_lanes[(-(-w.k // (BK * steps)), w.n // BN, len(ids))](
