@@ -526,8 +526,9 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     runs = _runs_to_host(r, E) if _dense_call(M, up_launch, dev) else None
     # the GPU rotates while the host waits for the runs and builds the tables of the dense experts
     a0, a1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
-    rows = _dense_rows((g, experts.up, d), dev)
-    hot = _hot_experts(runs, E, _dense_tile(dev)[0], rows, dev) if runs is not None else None
+    hot = None
+    if runs is not None:
+        hot = _hot_experts(runs, E, _dense_tile(dev)[0], _dense_rows((g, experts.up, d), dev), dev)
     grouped = not (hot and hot.every)  # some experts are left to the grouped kernels
     chunks = _without(r.chunks, hot, E) if hot and grouped else r.chunks
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
