@@ -5,7 +5,7 @@ which decides how Triton vectorises the loads. With --mma: the same for gluon_mm
 ops.MMA_MAXNREG) and decode_weights at K = 1-4. With --viterbi: the fp16-pair Viterbi's step loop at K = 2, 3,
 4, per candidate (65,536 a step).
 
-    python benchmarks/kernel_sass.py [--arch 90] [--mma | --viterbi]
+    python benchmarks/kernel_sass.py [--arch 90] [--mma [--codebook mcg] | --viterbi]
 """
 import argparse
 import collections
@@ -94,8 +94,8 @@ def viterbi(arch: int, warps: int = 16) -> None:
               f"instructions per candidate ({', '.join(f'{op} {n / per:.2f}' for op, n in counts.most_common(10))})")
 
 
-def gluon_kernels(arch: int, CB: int = 1) -> None:
-    """grouped_mma (gate and up, and down alone) and decode_weights, MCG, at ops' launch settings."""
+def gluon_kernels(arch: int, codebook: str) -> None:
+    """grouped_mma (gate and up, and down alone) and decode_weights at ops' launch settings."""
     from triton.experimental import gluon
     from xmoe.kernels import gluon_mma
 
@@ -104,7 +104,8 @@ def gluon_kernels(arch: int, CB: int = 1) -> None:
     mma_args.update(a0_ptr="*i32", a1_ptr="*i32")  # doubled fp16
     decode_args = {"t_ptr": "*i32", "expert_ptr": "*i32", "out_ptr": "*fp16", "k": "i32", "n": "i32",
                    "stride_te": "i32", "mask": "i32"}
-    print(f"gluon_mma, MCG, sm_{arch}, Triton {triton.__version__}, BN={BN} BK={BK} warps={warps}")
+    CB = ops.CODEBOOK_ID[codebook]
+    print(f"gluon_mma, {codebook}, sm_{arch}, Triton {triton.__version__}, BN={BN} BK={BK} warps={warps}")
     for K in (1, 2, 3, 4):
         for name, fn, args, consts, registers in (
                 ("grouped_mma dual", gluon_mma.grouped_mma, mma_args,
@@ -134,11 +135,12 @@ def main():
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--viterbi", action="store_true", help="the fp16-pair Viterbi instead of the GEMM kernels")
     p.add_argument("--mma", action="store_true", help="gluon_mma's kernels instead of triton_exl3's")
+    p.add_argument("--codebook", choices=("3inst", "mcg", "mul1"), default="mcg", help="--mma: the codebook")
     args = p.parse_args()
     if args.viterbi:
         return viterbi(args.arch)
     if args.mma:
-        return gluon_kernels(args.arch)
+        return gluon_kernels(args.arch, args.codebook)
     print(f"grouped_gemm, K=2 MCG, sm_{args.arch}, Triton {triton.__version__}")
     for name, BM, BN, BK, warps, stages, dual, tiled, swap, gemv in variants():
         kernel = compile_variant(args.arch, BM, BN, BK, warps, stages, dual, tiled, swap, gemv)
