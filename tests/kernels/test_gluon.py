@@ -6,9 +6,11 @@ import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from xmoe.format.codebook import codebook_table
 from xmoe.format.trellis import tile_perm, unpack_states
 
 gluon = pytest.importorskip("triton.experimental.gluon")
@@ -59,6 +61,20 @@ def test_lane_states_match_the_format(K):
             assert state == states[8 * lane + q], (lane, q)
 
 
+def test_mul1_codewords_match_the_format():
+    """gluon_mma.codewords' mul1 arithmetic replayed in numpy for every state: dp4a's 0x6400 + byte sum read as
+    fp16 (1024 + b), one fp16 FMA with k_inv 0x1EEE and k_bias 0xC931 (exact in float64, then one rounding), is
+    the format's weight; the high half, 0 x k_inv + 0, is zero."""
+    x = (np.arange(65536, dtype=np.uint64) * 0x83DCD12D) & 0xFFFFFFFF
+    h = 0x6400 + sum((x >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4))
+
+    def fp16(bits):
+        return np.asarray(bits, dtype=np.uint16).view(np.float16).astype(np.float64)
+
+    weight = (fp16(h) * fp16(0x1EEE) + fp16(0xC931)).astype(np.float16)
+    assert np.array_equal(weight.view(np.uint16), codebook_table("mul1").view(torch.int16).numpy().view(np.uint16))
+
+
 def test_tile_order_gives_rows_and_columns():
     """gluon_mma.TILE_ORDER (decode_weights' permute) puts tile_layout's weight (nt, c3, g, kt, j, r0, t) at row
     16 kt + 8 j + 2 t + r0 and column 16 nt + 8 c3 + g of its block, row-major (the layout's row and column are
@@ -104,7 +120,8 @@ def resources(cubin: bytes, tmp_path: Path) -> dict:
 @pytest.mark.parametrize("K, CB, DUAL, BN, BK, arch", [
     (2, 1, True, 128, 32, 90), (2, 0, True, 128, 32, 90), (2, 1, False, 128, 32, 90), (2, 0, False, 64, 64, 90),
     (1, 1, True, 128, 32, 90), (1, 0, False, 128, 32, 90), (4, 0, True, 128, 32, 80), (4, 1, False, 128, 32, 90),
-    (3, 1, True, 128, 32, 90), (3, 0, False, 128, 32, 90)])
+    (3, 1, True, 128, 32, 90), (3, 0, False, 128, 32, 90), (2, 2, True, 128, 32, 90), (3, 2, False, 128, 32, 90),
+    (4, 2, True, 128, 32, 80)])
 def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, tmp_path):
     kernel = compiled(K, CB, DUAL, BN, BK, arch)
     assert kernel.metadata.shared == 0, "a decoded weight went through shared memory"
@@ -115,9 +132,10 @@ def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, t
     assert mmas == (2 if DUAL else 1) * (BN // 64) * (BK // 16) * 2, "one MMA per 16 doubled K rows and warp tile"
     assert "shfl.sync.idx.b32" in ptx and "ld.shared" not in ptx
     assert ("prmt.b32" in ptx) == (K == 2), "at K = 2 the byte-aligned states are picked by PRMT"
+    assert ("dp4a.u32.u32" in ptx and "fma.rn.f16x2" in ptx) == (CB == 2), "mul1's byte sum and fp16 FMA"
 
 
-@pytest.mark.parametrize("K, CB", [(2, 1), (3, 0), (4, 1)])
+@pytest.mark.parametrize("K, CB", [(2, 1), (3, 0), (4, 1), (3, 2)])
 def test_decode_weights_compiles(K, CB, tmp_path):
     """The dense path's decoder (gluon_mma.decode_weights): grouped_mma's lanes, stored in rows of 16 bytes."""
     args = {"t_ptr": "*i32", "expert_ptr": "*i32", "out_ptr": "*fp16", "k": "i32", "n": "i32", "stride_te": "i32",

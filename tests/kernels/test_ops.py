@@ -198,17 +198,17 @@ def test_mma_plan(monkeypatch):
     assert ops.plan(36, 1152, 5120, 1.0, 132, K=3, mma=True).mma  # K = 3: no tiled decoder, but grouped_mma's
     monkeypatch.setitem(ops.TUNED, ("mma", True), (8, 32, 256, 4, 1))
     assert ops.plan(36, 1152, 5120, 1.0, 132, mma=True).BN == 128  # 256 does not divide 1,152 columns
-    w = random_weight(256, 256, 2, "mul1")
-    assert "mul1" in ops.mma_refusal(w, torch.device("cuda")) and "CUDA" in ops.mma_refusal(w, torch.device("cpu"))
+    w = random_weight(256, 256, 2.5, "mul1")
+    assert "2.5" in ops.mma_refusal(w, torch.device("cuda")) and "CUDA" in ops.mma_refusal(w, torch.device("cpu"))
 
 
 def test_dense_rows():
     """Experts go dense from fewer rows where the grouped kernels would gather (K = 3) but gluon_mma decodes."""
     gpu = torch.device("cuda")  # mma_refusal's answer for a CUDA device; nothing runs there
-    k3, k2, k3_mul1 = (random_weight(256, 256, K, cb) for K, cb in ((3, "mcg"), (2, "mcg"), (3, "mul1")))
+    k3, k2, gathered = (random_weight(256, 256, K, cb) for K, cb in ((3, "mcg"), (2, "mcg"), (2.5, "mul1")))
     untiled = ops.DENSE_ROWS_UNTILED if ops._gluon_refusal() is None else ops.DENSE_ROWS
     assert ops._dense_rows((k2, k3), gpu) == untiled and ops._dense_rows((k2, k2), gpu) == ops.DENSE_ROWS
-    assert ops._dense_rows((k3_mul1,), gpu) == ops.DENSE_ROWS and ops._dense_rows((k3,), torch.device("cpu")) == \
+    assert ops._dense_rows((gathered,), gpu) == ops.DENSE_ROWS and ops._dense_rows((k3,), torch.device("cpu")) == \
         ops.DENSE_ROWS
 
 
@@ -316,7 +316,7 @@ def test_mma_padding_never_reaches_the_output(monkeypatch):
 
     monkeypatch.setattr(ops, "_act_buffer", poisoned)
     for case in GPU_MOE:
-        if case["M"] <= 48 and case["codebook"] != "mul1":  # the cases grouped_mma takes
+        if case["M"] <= 48:
             check_moe(**case, device="cuda")
     for M in (1, 6, 7):
         check_linear(M, 5120, 1152, 2, "mcg", False, "cuda")

@@ -6,8 +6,9 @@ those weights into the registers of the MMA's A operand (the weights as W^T, the
 through shared memory. Each weight enters the MMA as its codebook word's two fp16 halves on two K rows, against
 the activation doubled, so the tensor cores add the halves: per weight only the state's extraction (two shifts,
 or one byte permute) and the codebook's IMAD and LOP3 remain, shared between the integer and FMA pipes. A chunk
-carries up to ROWS rows of one expert (the MMA's N), each decoded weight serving all of them. 3INST and MCG at
-K = 1, 2, 3, 4; other cases take triton_gemv or triton_exl3. decode_weights decodes the same way for the dense
+carries up to ROWS rows of one expert (the MMA's N), each decoded weight serving all of them; a mul1 weight
+enters beside a zero (codewords). 3INST, MCG and mul1 at K = 1, 2, 3, 4; other cases (half-integer K, K > 4)
+take triton_gemv or triton_exl3. decode_weights decodes the same way for the dense
 path (experts with many rows, decoded once to fp16).
 """
 from triton.experimental import gluon
@@ -123,7 +124,14 @@ def lane_words(lane, q, K: gl.constexpr):
 
 @gluon.jit
 def codewords(state, mask, CB: gl.constexpr):
-    """3INST (CB 0) and MCG (CB 1): each state's codebook word, a pair of fp16 halves whose sum is its weight."""
+    """Each state's codebook word, a pair of fp16 halves whose sum is its weight: for 3INST (CB 0) and MCG (CB 1)
+    the format's halves; for mul1 (CB 2) the weight itself and a zero, by the format's arithmetic: dp4a gives the
+    fp16 bits of 1024 + the product's byte sum, one fp16 FMA (k_inv 0x1EEE, k_bias 0xC931) the weight."""
+    if CB == 2:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 m, z, h, k, c; mov.b32 m, 0x01010101; mov.b32 z, 0x6400; dp4a.u32.u32 h, $1, m, z; "
+            "mov.b32 k, 0x1EEE1EEE; mov.b32 c, 0x0000C931; fma.rn.f16x2 $0, h, k, c; }", "=r,r",
+            [state * 0x83DCD12D], dtype=gl.uint32, is_pure=True, pack=1)
     if CB == 0:
         x = state * 89226354 + 64248484
     else:

@@ -72,7 +72,7 @@ class Launch:
     tiled: bool = False  # decode_tiles (K = 1, 2, 4, 8: each tile's words loaded once), else per-weight gathers
     swap: bool = False  # tiled only: W^T a^T, the decoded weights as the MMA's wide first operand
     gemv: bool = False  # tiled only, BM 1 or 2: grouped_gemv, products on CUDA cores instead of tensor cores
-    mma: bool = False  # BM 8: gluon_mma's grouped_mma, weights decoded into mma.sync registers (CUDA, 3INST/MCG)
+    mma: bool = False  # BM 8: gluon_mma's grouped_mma, weights decoded into mma.sync registers (CUDA, K 1-4)
 
 
 # (BM, BK, BN, warps, stages) per row regime and decoder, from timed sweeps on an H200 at DeepSeek-V4.1 shapes
@@ -152,8 +152,8 @@ def mma_refusal(w: Exl3Weight, device: torch.device) -> str | None:
         return "Gluon kernels run on CUDA GPUs only"
     if DECODER != "tiled":
         reason = f"ops.DECODER is {DECODER!r}"
-    elif not (w.K in (1, 2, 3, 4) and w.codebook in ("3inst", "mcg")):
-        reason = f"K = {w.K} with the {w.codebook} codebook (it decodes 3INST and MCG at K = 1, 2, 3, 4)"
+    elif w.K not in (1, 2, 3, 4):
+        reason = f"K = {w.K} (it decodes K = 1, 2, 3, 4)"
     else:
         reason = _gluon_refusal()
     if reason:
@@ -359,7 +359,7 @@ def _runs_to_host(r: Routing, experts: int) -> tuple:
 
 def _dense_rows(weights: tuple, device: torch.device) -> int:
     """Rows from which a call's expert goes dense: DENSE_ROWS, or DENSE_ROWS_UNTILED where a projection has no
-    tiled grouped decoder but gluon_mma's decode_weights (K = 3 3INST or MCG)."""
+    tiled grouped decoder but gluon_mma's decode_weights (K = 3)."""
     untiled = any(not _tiled(w.K) and mma_refusal(w, device) is None for w in weights)
     return DENSE_ROWS_UNTILED if untiled else DENSE_ROWS
 
