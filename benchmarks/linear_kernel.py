@@ -1,5 +1,6 @@
 """Dense EXL3 linear: xmoe's Triton kernel against exllamav3 1.6.5's exl3_gemm (built in the same run,
-autotuned before timing) and a bf16 matmul, at 1-8 and 1,024+ rows, K 2/3/4 MCG. CUDA graphs up to 512 rows, L2 flushed.
+autotuned before timing) and a bf16 matmul, at 1-8 and 1,024+ rows, K 2/3/4, MCG (--codebook). CUDA graphs up
+to 512 rows, L2 flushed.
 
     python benchmarks/linear_kernel.py [--rows 1 4 8 1024 4096] [--no-stock] [--json F]
 """
@@ -21,8 +22,8 @@ SHAPES = [(5120, 5120), (5120, 2304), (2304, 5120)]
 EAGER_ROWS = 512  # from here ours is timed eagerly, as vLLM runs batches beyond its CUDA-graph sizes
 
 
-def case(ext, k, n, K, M, bw, dev):
-    w = random_weight(k, n, K, "mcg", device=dev)
+def case(ext, k, n, K, M, bw, dev, codebook):
+    w = random_weight(k, n, K, codebook, device=dev)
     x = torch.randn(M, k, device=dev, dtype=torch.half)
     timer = time_eager if M >= EAGER_ROWS else time_graph
     ours = timer(lambda: ops.exl3_linear(x, w, backend="triton"))
@@ -34,7 +35,8 @@ def case(ext, k, n, K, M, bw, dev):
              bf16_us=time_graph(lambda: xb @ dense) * 1e6)
     if ext is not None:
         y, xh = torch.empty(M, n, device=dev, dtype=torch.half), torch.empty_like(x)
-        stock_fn = lambda: ext.exl3_gemm(x, w.trellis, y, w.suh, xh, w.svh, -1, True, False, 0)  # noqa: E731
+        stock_fn = lambda: ext.exl3_gemm(x, w.trellis, y, w.suh, xh, w.svh, -1, codebook == "mcg",
+                                                codebook == "mul1", 0)  # noqa: E731
         try:
             stock_fn()  # autotunes outside the capture
             try:
@@ -54,6 +56,7 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 1024, 4096])
     p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--no-stock", action="store_true")
+    p.add_argument("--codebook", choices=("3inst", "mcg", "mul1"), default="mcg")
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
     p.add_argument("--gemv-rows", type=float, default=ops.GEMV_ROWS,
                    help="rows up to which tiled launches take grouped_gemv (ops.GEMV_ROWS; 0: never)")
@@ -76,8 +79,8 @@ def main():
     for k, n in SHAPES:
         for K in args.bits:
             for M in args.rows:
-                r = case(ext, k, n, K, M, bw, dev)
-                results.append(r)
+                r = case(ext, k, n, K, M, bw, dev, args.codebook)
+                results.append(dict(r, codebook=args.codebook))
                 print(row((f"{k}x{n}", K, M, f"{r.get('stock_us', 0):.1f}", f"{r['ours_us']:.1f}",
                            f"{r.get('speedup', 0):.2f}", f"{r['ours_gbs']:.0f}", f"{r['ours_pct_bw']:.1f}",
                            f"{r['ours_tweights']:.2f}", f"{r['bf16_us']:.1f}", f"{r.get('max_rel_diff', 0):.1e}"),

@@ -1,5 +1,6 @@
 """Fused EXL3 MoE: xmoe's Triton kernel against exllamav3 1.6.5 ("stock", built in the same run) at
-DeepSeek-V4.1's per-rank shapes (TP2: 384 experts, hidden 5120, intermediate 1152, top-6, K=2 MCG).
+DeepSeek-V4.1's per-rank shapes (TP2: 384 experts, hidden 5120, intermediate 1152, top-6, K=2 MCG; --bits and
+--codebook change the last two).
 
 Stock is driven the way its BlockSparseMLP drives it: the cooperative decode kernels (exl3_moe_coop) up to
 8 tokens, the fused exl3_moe kernel beyond (argsort and bincount included; its host-side count of active
@@ -27,6 +28,7 @@ from common import copy_bandwidth, ptrs, row, time_eager, time_graph  # noqa: E4
 from xmoe.kernels import ops  # noqa: E402
 
 E, H, I, TOPK, K = 384, 5120, 1152, 6, 2
+CODEBOOK = "mcg"
 EAGER_TOKENS = 512  # from here ours is timed eagerly, as vLLM runs batches beyond its CUDA-graph sizes
 
 
@@ -37,6 +39,7 @@ class Stock:
         self.ext, self.dev = ext, dev
         self.tables = self._tables(experts)
         self.experts = experts
+        self.cb = (CODEBOOK == "mcg", CODEBOOK == "mul1")  # exllamav3's codebook flags (both off: 3INST)
         S = 8 * TOPK
         h = lambda *s, dt=torch.half: torch.empty(s, dtype=dt, device=dev)  # noqa: E731
         self.coop = (h(S, H), h(S, H), h(S, I), h(S, I), h(S, I), h(S, H, dt=torch.float))
@@ -59,7 +62,7 @@ class Stock:
 
     def decode(self, x, sel, rw):
         self.ext.exl3_moe_coop(x, sel, rw, -1, -1, H, *self.tables, None, None, None, float(K), float(K), float(K),
-                               True, False, 0, 0.0, True, *self.coop, self.ctr, self.coop_out, None, None)
+                               *self.cb, 0, 0.0, True, *self.coop, self.ctr, self.coop_out, None, None)
         return self.coop_out[:x.shape[0]]
 
     def fused(self, x, sel, rw, num_active, hot):
@@ -70,7 +73,7 @@ class Stock:
         count = torch.bincount(flat_e, minlength=E + 1)
         out = torch.zeros(T, H, dtype=torch.float, device=self.dev)
         self.ext.exl3_moe(x, out, count, flat_t[order], flat_w[order], *self.temp, 0, float(K), float(K), float(K),
-                          *self.tables, True, False, True, False, True, False, 0.0, num_active, None, None, 1,
+                          *self.tables, *self.cb * 3, 0.0, num_active, None, None, 1,
                           self.R, 16)
         for e, tok, w in hot:  # experts above R rows: reconstruct, then fp16 matmuls
             g, u, d = (self._dense(p, e) for p in (self.experts.gate, self.experts.up, self.experts.down))
@@ -81,7 +84,7 @@ class Stock:
 
     def _dense(self, w, e):
         W = torch.empty(w.k, w.n, dtype=torch.half, device=self.dev)
-        self.ext.reconstruct_had_slice(W, w.trellis[e], w.suh[e], w.svh[e], float(K), True, False, 0)
+        self.ext.reconstruct_had_slice(W, w.trellis[e], w.suh[e], w.svh[e], float(K), *self.cb, 0)
         return W
 
 
@@ -153,7 +156,7 @@ def stack_step(layers, experts, stock, dev, tokens=6, distinct=True):
     graphed. Each layer has its own experts as in a model (distinct=False: all share one set, which L2 partly
     caches). Without the norm the residual grows until every token picks the same experts."""
     g = torch.Generator(device=dev).manual_seed(0)
-    sets = [experts] + [random_experts(E, H, I, K, "mcg", seed=3 * i, device=dev) if distinct else experts
+    sets = [experts] + [random_experts(E, H, I, K, CODEBOOK, seed=3 * i, device=dev) if distinct else experts
                         for i in range(1, layers)]
     stocks = [stock.over(s) for s in sets] if stock is not None else None
     routers = [torch.randn(H, E, device=dev, dtype=torch.bfloat16, generator=g) / H ** 0.5 for _ in range(layers)]
@@ -242,11 +245,12 @@ def profile(experts, dev, tokens, skew=False):
 
 
 def main():
-    global K
+    global K, CODEBOOK
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[6, 12, 24, 48, 1542, 4096])
     p.add_argument("--no-stock", action="store_true")
     p.add_argument("--bits", type=int, default=K, help="K of every expert projection (V4.1's pack: 2)")
+    p.add_argument("--codebook", choices=("3inst", "mcg", "mul1"), default=CODEBOOK)
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--shared-experts", action="store_true", help="every layer of the stack uses the same experts")
     p.add_argument("--profile", action="store_true", help="per-kernel time of one call per token count")
@@ -291,11 +295,11 @@ def main():
     if args.tuned:
         for regime, cfg in json.loads(Path(args.tuned).read_text()).items():
             ops.TUNED[regime, args.decoder == "tiled"] = tuple(cfg)
-    K = args.bits
+    K, CODEBOOK = args.bits, args.codebook
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
-    experts = random_experts(E, H, I, K, "mcg", device=dev)
+    experts = random_experts(E, H, I, K, CODEBOOK, device=dev)
     if args.profile:
         profile(experts, dev, args.tokens, args.skewed)
         return
