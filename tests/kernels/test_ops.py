@@ -258,7 +258,8 @@ def test_shape_errors_name_the_problem():
 GPU_LINEAR = [(M, k, n, K, cb, bias) for M in (1, 6, 7, 33, 222, 1542) for (k, n) in ((576, 1536), (5120, 1152))
               for K, cb in ((2, "mcg"), (3, "mul1"), (4, "3inst")) for bias in (False,)] + \
              [(8, 2048, 640, 2.5, "mul1", True), (1, 4096, 4096, 8, "mcg", False), (64, 1000, 300, 1, "mcg", True)] + \
-             [(M, 5120, 1152, 3, cb, False) for M in (1, 7, 33) for cb in ("mcg", "3inst")]
+             [(M, 5120, 1152, 3, cb, False) for M in (1, 7, 33) for cb in ("mcg", "3inst")] + \
+             [(M, 5120, 1152, K, "mul1", False) for M in (1, 7) for K in (2, 4)]
 GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
            for M in (1, 6, 7, 33, 222, 1542) for (E, h, i, k) in ((8, 576, 1536, 2), (384, 1024, 384, 6))
            for K, cb in ((2, "mcg"), (3, "mul1"), (4, "3inst")) for s in (False, True)] + \
@@ -267,7 +268,9 @@ GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
            dict(M=12, E=32, hidden=300, inter=200, top_k=4, K=2, codebook="mul1", skew=False, K_down=3)] + \
           [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=3, codebook=cb, skew=s) for M in (1, 6, 33)
            for (E, h, i, k, cb, s) in ((8, 576, 1536, 2, "3inst", False), (384, 1024, 384, 6, "mcg", True))] + \
-          [dict(M=6, E=32, hidden=512, inter=256, top_k=4, K=2, codebook="mcg", skew=False, K_down=3)]
+          [dict(M=6, E=32, hidden=512, inter=256, top_k=4, K=2, codebook="mcg", skew=False, K_down=3)] + \
+          [dict(M=M, E=64, hidden=1024, inter=384, top_k=6, K=K, codebook="mul1", skew=M == 6) for M in (1, 6, 33)
+           for K in (2, 4)]
 
 
 @pytest.fixture(params=["gather", "tiled", "tiled-swap", "tiled-gemv", "tiled-mma"])
