@@ -2,8 +2,8 @@
 cuobjdump), then print registers, local-memory use and the SASS of the K loop per decoded weight and thread
 (grouped_gemv: per weight and row, for its one- and two-row loops). Arguments are aligned as at V4.1 shapes,
 which decides how Triton vectorises the loads. With --mma: the same for gluon_mma's grouped_mma (at
-ops.MMA_MAXNREG) and decode_weights at K = 1-4 (and 1.5, 2.5, 3.5 for mul1). With --viterbi: the fp16-pair Viterbi's step loop at K = 2, 3,
-4, per candidate (65,536 a step).
+ops.MMA_MAXNREG) and decode_weights at K = 1-4 (and 1.5, 2.5, 3.5 for mul1). With --viterbi: the fp16-pair
+Viterbi's step loop at K = 2, 3, 4, per candidate (65,536 a step).
 
     python benchmarks/kernel_sass.py [--arch 90] [--mma [--codebook mcg] | --viterbi]
 """
