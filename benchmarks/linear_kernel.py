@@ -54,7 +54,7 @@ def case(ext, k, n, K, M, bw, dev, codebook):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 1024, 4096])
-    p.add_argument("--bits", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--bits", type=float, nargs="+", default=[2, 3, 4])
     p.add_argument("--no-stock", action="store_true")
     p.add_argument("--codebook", choices=("3inst", "mcg", "mul1"), default="mcg")
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
@@ -72,7 +72,7 @@ def main():
     if not args.no_stock:
         from stock import load_stock
         ext = load_stock()
-    widths = (11, 2, 5, 9, 9, 8, 7, 6, 6, 9, 8)
+    widths = (11, 3, 5, 9, 9, 8, 7, 6, 6, 9, 8)
     print(row(("k x n", "K", "rows", "stock us", "ours us", "speedup", "GB/s", "%bw", "Tw/s", "bf16 us", "rel diff"),
               widths))
     results = []
@@ -81,7 +81,7 @@ def main():
             for M in args.rows:
                 r = case(ext, k, n, K, M, bw, dev, args.codebook)
                 results.append(dict(r, codebook=args.codebook))
-                print(row((f"{k}x{n}", K, M, f"{r.get('stock_us', 0):.1f}", f"{r['ours_us']:.1f}",
+                print(row((f"{k}x{n}", f"{K:g}", M, f"{r.get('stock_us', 0):.1f}", f"{r['ours_us']:.1f}",
                            f"{r.get('speedup', 0):.2f}", f"{r['ours_gbs']:.0f}", f"{r['ours_pct_bw']:.1f}",
                            f"{r['ours_tweights']:.2f}", f"{r['bf16_us']:.1f}", f"{r.get('max_rel_diff', 0):.1e}"),
                           widths), flush=True)

@@ -249,7 +249,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[6, 12, 24, 48, 1542, 4096])
     p.add_argument("--no-stock", action="store_true")
-    p.add_argument("--bits", type=int, default=K, help="K of every expert projection (V4.1's pack: 2)")
+    p.add_argument("--bits", type=float, default=K,
+                   help="K of every expert projection (V4.1's pack: 2; half-integer K: mul1 only)")
     p.add_argument("--codebook", choices=("3inst", "mcg", "mul1"), default=CODEBOOK)
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--shared-experts", action="store_true", help="every layer of the stack uses the same experts")
