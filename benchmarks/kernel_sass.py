@@ -120,7 +120,7 @@ def gluon_kernels(arch: int, codebook: str) -> None:
             src = gluon._runtime.GluonASTSource(fn, signature={**args, **dict.fromkeys(consts, "constexpr")},
                                                 attrs=aligned,
                                                 constexprs={(names.index(c),): v for c, v in consts.items()})
-            options = dict(num_warps=warps, **({"maxnreg": registers} if registers else {}))
+            options = dict(num_warps=warps, **ops._maxnreg(registers))
             cubin = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
             usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
             counts = max(loop_ops(tool("cuobjdump", cubin, "-sass")), key=lambda c: sum(c.values()))

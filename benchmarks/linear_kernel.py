@@ -35,8 +35,8 @@ def case(ext, k, n, K, M, bw, dev, codebook):
              bf16_us=time_graph(lambda: xb @ dense) * 1e6)
     if ext is not None:
         y, xh = torch.empty(M, n, device=dev, dtype=torch.half), torch.empty_like(x)
-        stock_fn = lambda: ext.exl3_gemm(x, w.trellis, y, w.suh, xh, w.svh, -1, codebook == "mcg",
-                                                codebook == "mul1", 0)  # noqa: E731
+        mcg, mul1 = codebook == "mcg", codebook == "mul1"  # exllamav3's codebook flags (both off: 3INST)
+        stock_fn = lambda: ext.exl3_gemm(x, w.trellis, y, w.suh, xh, w.svh, -1, mcg, mul1, 0)  # noqa: E731
         try:
             stock_fn()  # autotunes outside the capture
             try:

@@ -142,14 +142,14 @@ def load_had(had_ptr):
 
 
 @triton.jit
-def rotate_out(acc, had, EXACT: tl.constexpr = True):
-    """H_128 acc for fp32 acc (BM, 128): two fp16 MMAs on the high and low halves keep ~fp32 accuracy; one
-    (EXACT False) where the result is stored in 16 bits anyway, as rounding acc to fp16 before the orthogonal H
-    errs as much as rounding after it (the epilogues' outputs: on a CPU MoE case the rms error against the fp32
-    reference rose from 5.5e-4 to 6.5-6.9e-4, fp16 rounding alone being 2.1e-4)."""
+def rotate_out(acc, had, STORED: tl.constexpr):
+    """H_128 acc for fp32 acc (BM, 128), whose result (or what it feeds) is stored as STORED: for fp32, two fp16
+    MMAs on the high and low halves keep ~fp32 accuracy; else one, as rounding acc to fp16 before the orthogonal H
+    errs as much as rounding the stored result after it (the epilogues' outputs: on a CPU MoE case the rms error
+    against the fp32 reference rose from 5.5e-4 to 6.5-6.9e-4, fp16 rounding alone being 2.1e-4)."""
     hi = acc.to(tl.float16)
     y = tl.dot(hi, had)
-    if EXACT:
+    if STORED == tl.float32:
         y += tl.dot((acc - hi.to(tl.float32)).to(tl.float16), had)
     return y * 0.08838834764831845
 
@@ -180,11 +180,10 @@ def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr,
     vec = e[:, None] * stride_se + cols[None, :]
     out = pos.to(tl.int64)[:, None] * k + cols[None, :]
     dtype: tl.constexpr = out0_ptr.dtype.element_ty
-    exact: tl.constexpr = dtype == tl.float32
-    y = rotate_out(x * tl.load(s0_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, exact)
+    y = rotate_out(x * tl.load(s0_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, dtype)
     tl.store(out0_ptr + out, as_operand(y, dtype), mask=mask)
     if DUAL:
-        y = rotate_out(x * tl.load(s1_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, exact)
+        y = rotate_out(x * tl.load(s1_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, dtype)
         tl.store(out1_ptr + out, as_operand(y, dtype), mask=mask)
 
 
@@ -286,7 +285,7 @@ def linear_epilogue(p_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, n_out,
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
     mask = (rows < P)[:, None]
-    y = rotate_out(_split_sum(p_ptr, rows, cols, mask, P, n, SPLIT), had, out_ptr.dtype.element_ty == tl.float32)
+    y = rotate_out(_split_sum(p_ptr, rows, cols, mask, P, n, SPLIT), had, out_ptr.dtype.element_ty)
     y = y * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=cols < n_out, other=0.0).to(tl.float32)[None, :]
@@ -306,10 +305,10 @@ def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, ha
     live = (pos < P) & (e < E)
     mask = live[:, None]
     vec = e[:, None] * n + cols[None, :]
-    exact: tl.constexpr = out_ptr.dtype.element_ty == tl.float32
-    g = rotate_out(_split_sum(pg_ptr, pos, cols, mask, P, n, SPLIT), had, exact)
+    stored: tl.constexpr = out_ptr.dtype.element_ty
+    g = rotate_out(_split_sum(pg_ptr, pos, cols, mask, P, n, SPLIT), had, stored)
     g = g * tl.load(svh_g_ptr + vec, mask=mask, other=0.0).to(tl.float32)
-    u = rotate_out(_split_sum(pu_ptr, pos, cols, mask, P, n, SPLIT), had, exact)
+    u = rotate_out(_split_sum(pu_ptr, pos, cols, mask, P, n, SPLIT), had, stored)
     u = u * tl.load(svh_u_ptr + vec, mask=mask, other=0.0).to(tl.float32)
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
@@ -317,7 +316,7 @@ def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, ha
     a = g / (1.0 + tl.exp(-g)) * u
     a = tl.where((cols < n_real)[None, :], a, 0.0)  # padded intermediate columns feed the down projection as 0
     a = a * tl.load(suh_d_ptr + vec, mask=mask, other=0.0).to(tl.float32)
-    a = rotate_out(a, had, exact)
+    a = rotate_out(a, had, stored)
     tl.store(out_ptr + pos.to(tl.int64)[:, None] * n + cols[None, :], as_operand(a, out_ptr.dtype.element_ty),
              mask=mask)
 
@@ -330,14 +329,13 @@ def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr,
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
     acc = tl.zeros((BM, 128), tl.float32)
-    for j in tl.range(TOPK, num_stages=1):  # a loop, not unrolled (every slot's loads hoisted spilled), not pipelined
+    for j in tl.range(TOPK, num_stages=1):  # unrolled, every slot's loads were hoisted and spilled; pipelined, wrong
         slot = rows * TOPK + j
         e = tl.load(slot_expert_ptr + slot, mask=rows < M, other=-1).to(tl.int64)
         live = (rows < M) & (e >= 0)
         pos = tl.load(slot_pos_ptr + slot, mask=live, other=0)
         w = tl.load(weight_ptr + slot, mask=live, other=0.0).to(tl.float32)
-        y = rotate_out(_split_sum(pd_ptr, pos, cols, live[:, None], P, n, SPLIT), had,
-                       out_ptr.dtype.element_ty == tl.float32)
+        y = rotate_out(_split_sum(pd_ptr, pos, cols, live[:, None], P, n, SPLIT), had, out_ptr.dtype.element_ty)
         y = y * tl.load(svh_ptr + e[:, None] * n + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         acc += y * w[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * n_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -362,8 +360,7 @@ def combine_stacked(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr, 
     for s in tl.static_range(SPLIT):
         x += tl.load(pd_ptr + (s * P + pos).to(tl.int64)[:, :, None] * n + cols[None, None, :],
                      mask=live[:, :, None], other=0.0)
-    y = tl.reshape(rotate_out(tl.reshape(x, (BT * TP, 128)), had, out_ptr.dtype.element_ty == tl.float32),
-                   (BT, TP, 128))
+    y = tl.reshape(rotate_out(tl.reshape(x, (BT * TP, 128)), had, out_ptr.dtype.element_ty), (BT, TP, 128))
     y *= tl.load(svh_ptr + e[:, :, None] * n + cols[None, None, :], mask=live[:, :, None], other=0.0).to(tl.float32)
     out = tl.sum(y * w[:, :, None], axis=1)
     tl.store(out_ptr + tokens.to(tl.int64) * n_out + cols[None, :], out.to(out_ptr.dtype.element_ty),
