@@ -2,8 +2,8 @@
 cuobjdump), then print registers, local-memory use and the SASS of the K loop per decoded weight and thread
 (grouped_gemv: per weight and row, for its one- and two-row loops). Arguments are aligned as at V4.1 shapes,
 which decides how Triton vectorises the loads. With --mma: the same for gluon_mma's grouped_mma (at
-ops.MMA_MAXNREG) and decode_weights at K = 1-4. With --viterbi: the fp16-pair Viterbi's step loop at K = 2, 3,
-4, per candidate (65,536 a step).
+ops.MMA_MAXNREG) and decode_weights at K = 1-4 (and 1.5, 2.5, 3.5 for mul1). With --viterbi: the fp16-pair
+Viterbi's step loop at K = 2, 3, 4, per candidate (65,536 a step).
 
     python benchmarks/kernel_sass.py [--arch 90] [--mma [--codebook mcg] | --viterbi]
 """
@@ -106,14 +106,14 @@ def gluon_kernels(arch: int, codebook: str) -> None:
                    "stride_te": "i32", "mask": "i32"}
     CB = ops.CODEBOOK_ID[codebook]
     print(f"gluon_mma, {codebook}, sm_{arch}, Triton {triton.__version__}, BN={BN} BK={BK} warps={warps}")
-    for K in (1, 2, 3, 4):
+    for K in (1, 2, 3, 4) + ((1.5, 2.5, 3.5) if codebook == "mul1" else ()):
         for name, fn, args, consts, registers in (
                 ("grouped_mma dual", gluon_mma.grouped_mma, mma_args,
-                 dict(W=8 * K, K=K, CB=CB, DUAL=True, BN=BN, BK=BK, SPLIT=1), ops.MMA_MAXNREG[0]),
+                 dict(W=int(8 * K), CB=CB, DUAL=True, BN=BN, BK=BK, SPLIT=1), ops.MMA_MAXNREG[0]),
                 ("grouped_mma", gluon_mma.grouped_mma, mma_args,
-                 dict(W=8 * K, K=K, CB=CB, DUAL=False, BN=BN, BK=BK, SPLIT=1), ops.MMA_MAXNREG[1]),
+                 dict(W=int(8 * K), CB=CB, DUAL=False, BN=BN, BK=BK, SPLIT=1), ops.MMA_MAXNREG[1]),
                 ("decode_weights", gluon_mma.decode_weights, decode_args,
-                 dict(W=8 * K, K=K, CB=CB, BN=128, BK=32, STEPS=8), 0)):
+                 dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8), 0)):
             names = [*args, *consts]
             aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in args
                        if a.endswith("_ptr") or a in ("k", "n", "stride_te")}

@@ -6,9 +6,11 @@ import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+from xmoe.format.codebook import codebook_table
 from xmoe.format.trellis import tile_perm, unpack_states
 
 gluon = pytest.importorskip("triton.experimental.gluon")
@@ -25,38 +27,65 @@ def funnel(lo: int, hi: int, shift: int) -> int:
     return ((hi << 32 | lo) >> shift) & 0xFFFFFFFF
 
 
-@pytest.mark.parametrize("K", [1, 2, 3, 4])
+@pytest.mark.parametrize("K", [1, 1.5, 2, 2.5, 3, 3.5, 4])
 def test_lane_states_match_the_format(K):
     """Lane L = 4 g + t, register q = 4 c3 + 2 j + r0 (gluon_mma.tile_layout): the state the kernel derives from
     the lane's word and its neighbour lanes', at the input row and column it assigns, is the format's."""
-    trellis = torch.randint(-32768, 32768, (16 * K,), generator=torch.Generator().manual_seed(K), dtype=torch.int16)
+    W = int(8 * K)  # words a tile, bits a lane
+    trellis = torch.randint(-32768, 32768, (2 * W,), generator=torch.Generator().manual_seed(W), dtype=torch.int16)
     t16 = trellis.to(torch.int64) & 0xFFFF
     words = (t16[0::2] | t16[1::2] << 16).tolist()
     states = unpack_states(trellis, K).tolist()
+    KA, H = W // 8, W % 8 // 4
+    FIRST = 4 * KA + 2 * H  # where the first window ends (other K than 1, 2, 4)
+
+    def loaded(lane):  # the word a lane loads
+        return (W * lane) // 32 if W in (8, 16, 32) else (W * lane + FIRST - 1) // 32
+
     for lane in range(32):
         g, t = divmod(lane, 4)
-        word = K * 8 * lane // 32
-        lo, hi = words[word], words[K * 8 * ((lane + 32 - 4 // K) % 32) // 32]  # the shuffled neighbour's word
-        if K == 3:  # lane (4 j + 2) // 3 loads word j, the one its first window ends in
-            word = (24 * lane + 11) // 32
-            src = (4 * ((word + 23) % 24) + 2) // 3
-            lo, hi, later = words[word], words[(24 * src + 11) // 32], words[(24 * (lane + (t == 2)) + 11) // 32]
+        word = loaded(lane)
+        if W in (8, 16, 32):
+            src = (lane + 32 - 32 // W) % 32
+        else:
+            src = (32 * ((word + W - 1) % W) + W - FIRST) // W
+            second = (W * lane + W - 1) // 32
+            later_lane = (32 * second + W - FIRST) // W
+            assert loaded(later_lane) == second
+        assert loaded(src) == (word - 1) % W
+        lo, hi = words[word], words[loaded(src)]  # the shuffled neighbour's word
         for q in range(8):
             c3, j, r0 = q >> 2, (q >> 1) & 1, q & 1
-            if K == 3:
-                end = 24 * lane + 12 + 12 * (q // 4)
-                window = funnel(lo if q < 4 else later, hi if q < 4 or t != 2 else lo, 32 * ((end - 1) // 32 + 1) - end)
-                state = window & 0xFFFF if q % 4 == 3 else ((window << 7 + 3 * (q % 4)) & 0xFFFFFFFF) >> 16
+            if W not in (8, 16, 32):
+                end = W * lane + FIRST + (W - FIRST) * (q // 4)
+                window = funnel(lo if q < 4 else words[second], hi if q < 4 or second == word else lo,
+                                32 * ((end - 1) // 32 + 1) - end)
+                up = (3 - q % 4) * KA + H * (2 - (q % 4 + 1) // 2)
+                state = window & 0xFFFF if q % 4 == 3 else (window * (65536 >> up) & 0xFFFFFFFF) >> 16
             elif K == 2 and q % 2:  # two bytes of the window (q = 3, 7) or of the window >> 4 (q = 1, 5)
                 source = funnel(lo, hi, 16 - 16 * (t & 1) + (0 if q % 4 == 3 else 4))
                 state = (source >> (8 if q < 4 else 0)) & 0xFFFF
             elif K == 2:
                 state = (funnel(lo, hi, 16 - 16 * (t & 1)) * (4 << 2 * q) & 0xFFFFFFFF) >> 16
             else:
-                state = funnel(lo, hi, 32 * (word + 1) - K * (8 * lane + q + 1)) & 0xFFFF
+                state = funnel(lo, hi, 32 * (word + 1) - W * lane - W // 8 * (q + 1)) & 0xFFFF
             row, col = 8 * j + 2 * t + r0, 8 * c3 + g  # act_layout's input row of this MMA slot; the column
             assert tile_perm()[8 * lane + q] == 16 * row + col
             assert state == states[8 * lane + q], (lane, q)
+
+
+def test_mul1_codewords_match_the_format():
+    """gluon_mma.codewords' mul1 arithmetic replayed in numpy for every state: dp4a's 0x6400 + byte sum read as
+    fp16 (1024 + b), one fp16 FMA with k_inv 0x1EEE and k_bias 0xC931 (exact in float64, then one rounding), is
+    the format's weight; the high half, 0 x k_inv + 0, is zero."""
+    x = (np.arange(65536, dtype=np.uint64) * 0x83DCD12D) & 0xFFFFFFFF
+    h = 0x6400 + sum((x >> np.uint64(8 * i)) & np.uint64(0xFF) for i in range(4))
+
+    def fp16(bits):
+        return np.asarray(bits, dtype=np.uint16).view(np.float16).astype(np.float64)
+
+    weight = (fp16(h) * fp16(0x1EEE) + fp16(0xC931)).astype(np.float16)
+    assert np.array_equal(weight.view(np.uint16), codebook_table("mul1").view(torch.int16).numpy().view(np.uint16))
 
 
 def test_tile_order_gives_rows_and_columns():
@@ -86,7 +115,7 @@ def compile_gluon(fn, args: dict, const: dict, arch: int, **options):
 
 
 def compiled(K: int, CB: int, DUAL: bool, BN: int, BK: int, arch: int):
-    const = dict(W=8 * K, K=K, CB=CB, DUAL=DUAL, BN=BN, BK=BK, SPLIT=1)
+    const = dict(W=int(8 * K), CB=CB, DUAL=DUAL, BN=BN, BK=BK, SPLIT=1)
     return compile_gluon(grouped_mma, {**POINTERS, **SCALARS}, const, arch, num_warps=4,
                          **ops._maxnreg(ops.MMA_MAXNREG[not DUAL]))
 
@@ -104,7 +133,8 @@ def resources(cubin: bytes, tmp_path: Path) -> dict:
 @pytest.mark.parametrize("K, CB, DUAL, BN, BK, arch", [
     (2, 1, True, 128, 32, 90), (2, 0, True, 128, 32, 90), (2, 1, False, 128, 32, 90), (2, 0, False, 64, 64, 90),
     (1, 1, True, 128, 32, 90), (1, 0, False, 128, 32, 90), (4, 0, True, 128, 32, 80), (4, 1, False, 128, 32, 90),
-    (3, 1, True, 128, 32, 90), (3, 0, False, 128, 32, 90)])
+    (3, 1, True, 128, 32, 90), (3, 0, False, 128, 32, 90), (2, 2, True, 128, 32, 90), (3, 2, False, 128, 32, 90),
+    (4, 2, True, 128, 32, 80), (2.5, 2, True, 128, 32, 90), (3.5, 2, False, 128, 32, 90), (1.5, 2, False, 128, 32, 90)])
 def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, tmp_path):
     kernel = compiled(K, CB, DUAL, BN, BK, arch)
     assert kernel.metadata.shared == 0, "a decoded weight went through shared memory"
@@ -115,14 +145,15 @@ def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, t
     assert mmas == (2 if DUAL else 1) * (BN // 64) * (BK // 16) * 2, "one MMA per 16 doubled K rows and warp tile"
     assert "shfl.sync.idx.b32" in ptx and "ld.shared" not in ptx
     assert ("prmt.b32" in ptx) == (K == 2), "at K = 2 the byte-aligned states are picked by PRMT"
+    assert ("dp4a.u32.u32" in ptx and "fma.rn.f16x2" in ptx) == (CB == 2), "mul1's byte sum and fp16 FMA"
 
 
-@pytest.mark.parametrize("K, CB", [(2, 1), (3, 0), (4, 1)])
+@pytest.mark.parametrize("K, CB", [(2, 1), (3, 0), (4, 1), (3, 2), (2.5, 2)])
 def test_decode_weights_compiles(K, CB, tmp_path):
     """The dense path's decoder (gluon_mma.decode_weights): grouped_mma's lanes, stored in rows of 16 bytes."""
     args = {"t_ptr": "*i32", "expert_ptr": "*i32", "out_ptr": "*fp16", "k": "i32", "n": "i32", "stride_te": "i32",
             "mask": "i32"}
-    kernel = compile_gluon(decode_weights, args, dict(W=8 * K, K=K, CB=CB, BN=128, BK=32, STEPS=8), 90, num_warps=4)
+    kernel = compile_gluon(decode_weights, args, dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8), 90, num_warps=4)
     usage = resources(kernel.asm["cubin"], tmp_path)
     assert usage["STACK"] == usage["LOCAL"] == 0, usage
     ptx = kernel.asm["ptx"]

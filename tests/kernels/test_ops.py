@@ -198,17 +198,17 @@ def test_mma_plan(monkeypatch):
     assert ops.plan(36, 1152, 5120, 1.0, 132, K=3, mma=True).mma  # K = 3: no tiled decoder, but grouped_mma's
     monkeypatch.setitem(ops.TUNED, ("mma", True), (8, 32, 256, 4, 1))
     assert ops.plan(36, 1152, 5120, 1.0, 132, mma=True).BN == 128  # 256 does not divide 1,152 columns
-    w = random_weight(256, 256, 2, "mul1")
-    assert "mul1" in ops.mma_refusal(w, torch.device("cuda")) and "CUDA" in ops.mma_refusal(w, torch.device("cpu"))
+    w = random_weight(256, 256, 8, "mul1")
+    assert "K = 8" in ops.mma_refusal(w, torch.device("cuda")) and "CUDA" in ops.mma_refusal(w, torch.device("cpu"))
 
 
 def test_dense_rows():
-    """Experts go dense from fewer rows where the grouped kernels would gather (K = 3) but gluon_mma decodes."""
+    """Experts go dense from fewer rows where the grouped kernels would gather (K = 3, 2.5) but gluon_mma decodes."""
     gpu = torch.device("cuda")  # mma_refusal's answer for a CUDA device; nothing runs there
-    k3, k2, k3_mul1 = (random_weight(256, 256, K, cb) for K, cb in ((3, "mcg"), (2, "mcg"), (3, "mul1")))
+    half, k2, k5 = (random_weight(256, 256, K, cb) for K, cb in ((2.5, "mul1"), (2, "mcg"), (5, "mcg")))
     untiled = ops.DENSE_ROWS_UNTILED if ops._gluon_refusal() is None else ops.DENSE_ROWS
-    assert ops._dense_rows((k2, k3), gpu) == untiled and ops._dense_rows((k2, k2), gpu) == ops.DENSE_ROWS
-    assert ops._dense_rows((k3_mul1,), gpu) == ops.DENSE_ROWS and ops._dense_rows((k3,), torch.device("cpu")) == \
+    assert ops._dense_rows((k2, half), gpu) == untiled and ops._dense_rows((k2, k2), gpu) == ops.DENSE_ROWS
+    assert ops._dense_rows((k5,), gpu) == ops.DENSE_ROWS and ops._dense_rows((half,), torch.device("cpu")) == \
         ops.DENSE_ROWS
 
 
@@ -258,7 +258,8 @@ def test_shape_errors_name_the_problem():
 GPU_LINEAR = [(M, k, n, K, cb, bias) for M in (1, 6, 7, 33, 222, 1542) for (k, n) in ((576, 1536), (5120, 1152))
               for K, cb in ((2, "mcg"), (3, "mul1"), (4, "3inst")) for bias in (False,)] + \
              [(8, 2048, 640, 2.5, "mul1", True), (1, 4096, 4096, 8, "mcg", False), (64, 1000, 300, 1, "mcg", True)] + \
-             [(M, 5120, 1152, 3, cb, False) for M in (1, 7, 33) for cb in ("mcg", "3inst")]
+             [(M, 5120, 1152, 3, cb, False) for M in (1, 7, 33) for cb in ("mcg", "3inst")] + \
+             [(M, 5120, 1152, K, "mul1", False) for M in (1, 7) for K in (2, 4)]
 GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
            for M in (1, 6, 7, 33, 222, 1542) for (E, h, i, k) in ((8, 576, 1536, 2), (384, 1024, 384, 6))
            for K, cb in ((2, "mcg"), (3, "mul1"), (4, "3inst")) for s in (False, True)] + \
@@ -267,7 +268,9 @@ GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
            dict(M=12, E=32, hidden=300, inter=200, top_k=4, K=2, codebook="mul1", skew=False, K_down=3)] + \
           [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=3, codebook=cb, skew=s) for M in (1, 6, 33)
            for (E, h, i, k, cb, s) in ((8, 576, 1536, 2, "3inst", False), (384, 1024, 384, 6, "mcg", True))] + \
-          [dict(M=6, E=32, hidden=512, inter=256, top_k=4, K=2, codebook="mcg", skew=False, K_down=3)]
+          [dict(M=6, E=32, hidden=512, inter=256, top_k=4, K=2, codebook="mcg", skew=False, K_down=3)] + \
+          [dict(M=M, E=64, hidden=1024, inter=384, top_k=6, K=K, codebook="mul1", skew=M == 6) for M in (1, 6, 33)
+           for K in (2, 4, 1.5, 2.5, 3.5)]
 
 
 @pytest.fixture(params=["gather", "tiled", "tiled-swap", "tiled-gemv", "tiled-mma"])
@@ -316,7 +319,7 @@ def test_mma_padding_never_reaches_the_output(monkeypatch):
 
     monkeypatch.setattr(ops, "_act_buffer", poisoned)
     for case in GPU_MOE:
-        if case["M"] <= 48 and case["codebook"] != "mul1":  # the cases grouped_mma takes
+        if case["M"] <= 48:
             check_moe(**case, device="cuda")
     for M in (1, 6, 7):
         check_linear(M, 5120, 1152, 2, "mcg", False, "cuda")
@@ -346,7 +349,8 @@ def test_dense_path_gpu(monkeypatch):
     """decode_experts bit-exact at every K and codebook; every expert taken densely (DENSE_ROWS 1) on MoE cases."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    for K, cb in ((1, "mcg"), (2, "mcg"), (2, "3inst"), (3, "mcg"), (3, "3inst"), (3, "mul1"), (4, "mcg"), (8, "mul1")):
+    for K, cb in ((1, "mcg"), (2, "mcg"), (2, "3inst"), (3, "mcg"), (3, "3inst"), (3, "mul1"), (4, "mcg"), (8, "mul1"),
+                  (1.5, "mul1"), (2.5, "mul1"), (3.5, "mul1")):
         check_decode(1024, 384, K, cb, "cuda")
     monkeypatch.setattr(ops, "DENSE_ROWS", 1)
     for case in GPU_MOE[::7] + GPU_LINEAR[::5]:

@@ -6,8 +6,9 @@ those weights into the registers of the MMA's A operand (the weights as W^T, the
 through shared memory. Each weight enters the MMA as its codebook word's two fp16 halves on two K rows, against
 the activation doubled, so the tensor cores add the halves: per weight only the state's extraction (two shifts,
 or one byte permute) and the codebook's IMAD and LOP3 remain, shared between the integer and FMA pipes. A chunk
-carries up to ROWS rows of one expert (the MMA's N), each decoded weight serving all of them. 3INST and MCG at
-K = 1, 2, 3, 4; other cases take triton_gemv or triton_exl3. decode_weights decodes the same way for the dense
+carries up to ROWS rows of one expert (the MMA's N), each decoded weight serving all of them; a mul1 weight
+enters beside a zero (codewords). 3INST, MCG and mul1 at K = 1, 2, 3, 4, mul1 at 1.5, 2.5, 3.5 (W = 8 K words a
+tile, bits a lane); K > 4 takes triton_gemv or triton_exl3. decode_weights decodes the same way for the dense
 path (experts with many rows, decoded once to fp16).
 """
 from triton.experimental import gluon
@@ -76,24 +77,28 @@ def byte_pair(x, sel):
 
 
 @gluon.jit
-def lane_states(lo, src, shift, lane, t, q, K: gl.constexpr):
-    """The 16-bit states of each lane's 8 weights q from its word lo and the word before it (lane src's). At K = 1,
-    2, 4 all 8 end in lo. At K = 2 they lie in one 30-bit window (hi:lo >> 16 for even lanes, lo for odd ones),
-    state q ending 14 - 2 q bits up. Odd q start on a byte of the window or of the window >> 4: one PRMT each. Even q
-    are shifted to the top and back down, by constants, and the left shift goes to the FMA pipe (IMAD.SHL), as the
-    integer pipe carries the PRMTs and the codebook's LOP3. At K = 3 a lane's states span 37 bits: q < 4 lie in the
-    32 bits ending 12 bits past the lane's first, q >= 4 in the 32 ending 24 past, each window one funnel shift of
-    lo and the word before or of the word after (lane + 1's, for t = 2 only) and lo; state q ends 3 (3 - q % 4)
-    bits up its window."""
+def lane_states(lo, src, shift, lane, t, q, W: gl.constexpr):
+    """The 16-bit states of each lane's 8 weights q (positions 8 lane + q, W = 8 K bits a lane) from its word lo
+    and the word before it (lane src's). At K = 1, 2, 4 all 8 end in lo. At K = 2 they lie in one 30-bit window
+    (hi:lo >> 16 for even lanes, lo for odd ones), state q ending 14 - 2 q bits up. Odd q start on a byte of the
+    window or of the window >> 4: one PRMT each. Even q are shifted to the top and back down, by constants, and
+    the left shift goes to the FMA pipe (IMAD.SHL), as the integer pipe carries the PRMTs and the codebook's LOP3.
+    Other K (1.5, 2.5, 3, 3.5) span up to 41 bits: q < 4 lie in the 32 bits ending where state 3 ends, q >= 4 in
+    the 32 ending where state 7 does, each window one funnel shift of lo and the word before, or of the word after
+    (another lane's, where the second window ends a word later) and lo; each state a constant shift of its window."""
     hi = from_lane(lo, src)
-    if K == 3:
-        later = from_lane(lo, gl.where(t == 2, lane + 1, lane))
-        window = funnel(gl.where(q < 4, lo, later), gl.where((q < 4) | (t != 2), hi, lo), shift)
-        top = gl.inline_asm_elementwise("mul.lo.u32 $0, $1, $2;", "=r,r,r",
-                                        [window, (128 << (3 * (q % 4))).to(gl.uint32)],
-                                        dtype=gl.uint32, is_pure=True, pack=1)  # << 7 + 3 (q % 4), as a multiply
+    if W != 8 and W != 16 and W != 32:
+        KA: gl.constexpr = W // 8  # K rounded down; half-integer K (W % 8 = 4): odd positions add a bit more
+        H: gl.constexpr = W % 8 // 4
+        first = (W * lane + 4 * KA + 2 * H - 1) // 32  # the word lo: where state 3 ends
+        second = (W * lane + W - 1) // 32  # where state 7 ends, lo's word or the next
+        later = from_lane(lo, (32 * second + W - 4 * KA - 2 * H) // W)
+        window = funnel(gl.where(q < 4, lo, later), gl.where((q < 4) | (second == first), hi, lo), shift)
+        up = (3 - q % 4) * KA + H * (2 - (q % 4 + 1) // 2)  # bits from state q's end to its window's
+        top = gl.inline_asm_elementwise("mul.lo.u32 $0, $1, $2;", "=r,r,r", [window, (65536 >> up).to(gl.uint32)],
+                                        dtype=gl.uint32, is_pure=True, pack=1)  # << 16 - up, as a multiply
         return gl.where(q % 4 == 3, window & 0xFFFF, top >> 16)
-    if K == 2:
+    if W == 16:
         base = (16 - 16 * (t & 1)).to(gl.uint32)
         window = funnel(lo, hi, base)
         aligned = byte_pair(gl.where(q % 4 == 3, window, funnel(lo, hi, base + 4)),
@@ -105,25 +110,36 @@ def lane_states(lo, src, shift, lane, t, q, K: gl.constexpr):
 
 
 @gluon.jit
-def lane_words(lane, q, K: gl.constexpr):
-    """The word each lane loads (the one its states end in; at K = 3 the one its first window ends in), the shifts
-    of its states (at K = 3 of their windows) and the lane that loads the word before. Format: the state of
-    position p ends at stream bit K (p + 1)."""
-    if K == 3:
-        word = (24 * lane + 11) // 32
-        end = 24 * lane + 12 + 12 * (q // 4)
+def lane_words(lane, q, W: gl.constexpr):
+    """The word each lane loads (the one its states end in; for K other than 1, 2, 4 the one its first window
+    ends in), the shifts of its states (of their windows) and a lane that loads the word before. Format: the state
+    of position p ends at stream bit S(p), the bits positions 0..p add: K each, or at half-integer K one more at
+    odd positions."""
+    if W != 8 and W != 16 and W != 32:
+        KA: gl.constexpr = W // 8
+        H: gl.constexpr = W % 8 // 4
+        FIRST: gl.constexpr = 4 * KA + 2 * H  # state 3's end, past the lane's first bit; state 7's is W
+        word = (W * lane + FIRST - 1) // 32
+        end = W * lane + FIRST + (W - FIRST) * (q // 4)
         shift = 32 * ((end - 1) // 32 + 1) - end
-        src = (4 * ((word + 23) % 24) + 2) // 3  # lane (4 j + 2) // 3 loads word j
+        src = (32 * ((word + W - 1) % W) + W - FIRST) // W  # the first lane whose word is j: (32 j + W - FIRST) // W
     else:  # K = 1, 2, 4: all 8 states of a lane end in one word
-        word = (K * 8 * lane) // 32
-        shift = 32 * (word + 1) - K * (8 * lane + q + 1)
-        src = (lane + 32 - 4 // K) % 32
+        word = (W * lane) // 32
+        shift = 32 * (word + 1) - W * lane - W // 8 * (q + 1)
+        src = (lane + 32 - 32 // W) % 32
     return word, shift.to(gl.uint32), src
 
 
 @gluon.jit
 def codewords(state, mask, CB: gl.constexpr):
-    """3INST (CB 0) and MCG (CB 1): each state's codebook word, a pair of fp16 halves whose sum is its weight."""
+    """Each state's codebook word, a pair of fp16 halves whose sum is its weight: for 3INST (CB 0) and MCG (CB 1)
+    the format's halves; for mul1 (CB 2) the weight itself and a zero, by the format's arithmetic: dp4a gives the
+    fp16 bits of 1024 + the product's byte sum, one fp16 FMA (k_inv 0x1EEE, k_bias 0xC931) the weight."""
+    if CB == 2:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 m, z, h, k, c; mov.b32 m, 0x01010101; mov.b32 z, 0x6400; dp4a.u32.u32 h, $1, m, z; "
+            "mov.b32 k, 0x1EEE1EEE; mov.b32 c, 0x0000C931; fma.rn.f16x2 $0, h, k, c; }", "=r,r",
+            [state * 0x83DCD12D], dtype=gl.uint32, is_pure=True, pack=1)
     if CB == 0:
         x = state * 89226354 + 64248484
     else:
@@ -164,8 +180,8 @@ def load_step(words, rows, step, stride_step, lo_off, a_off, BK: gl.constexpr):
 
 @gluon.jit
 def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, n_chunks_ptr, t0_ptr, t1_ptr,
-                p0_ptr, p1_ptr, P, k, n, stride_te, mask, W: gl.constexpr, K: gl.constexpr, CB: gl.constexpr,
-                DUAL: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr):
+                p0_ptr, p1_ptr, P, k, n, stride_te, mask, W: gl.constexpr, CB: gl.constexpr, DUAL: gl.constexpr,
+                BN: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr):
     """grouped_gemv's contract (rotated rows as doubled fp16, triton_exl3.as_operand; chunks of up to ROWS
     rows; fp32 partials per K split) on mma.sync. In each (chunk, column block, K split) program, warp w takes
     the 16 columns from 16 w of every 16 * warps."""
@@ -192,7 +208,7 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
     t = axis(4, 6, 7, TILE)
     lane = 4 * axis(8, 2, 7, TILE) + t
     q = 4 * axis(2, 1, 7, TILE) + 2 * axis(2, 4, 7, TILE) + axis(2, 5, 7, TILE)
-    word, shift, src = lane_words(lane, q, K)
+    word, shift, src = lane_words(lane, q, W)
     tile = axis(TK, 3, 7, TILE) * ((n // 16) * W) + (pid_n * TN + axis(TN, 0, 7, TILE)) * W
     lo_off = tile + word
 
@@ -215,10 +231,10 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
         next_lo1, next_x1 = next_lo0, next_x0
         if DUAL:
             next_lo1, next_x1 = load_step(w1, a1_ptr, nxt, stride_step, lo_off, a_off, BK)
-        w = decode_operand(lane_states(lo0, src, shift, lane, t, q, K), mask, CB, BN, BK, A)
+        w = decode_operand(lane_states(lo0, src, shift, lane, t, q, W), mask, CB, BN, BK, A)
         acc0 = mma_v2(w, act_operand(x0, BK, B), acc0)
         if DUAL:
-            w = decode_operand(lane_states(lo1, src, shift, lane, t, q, K), mask, CB, BN, BK, A)
+            w = decode_operand(lane_states(lo1, src, shift, lane, t, q, W), mask, CB, BN, BK, A)
             acc1 = mma_v2(w, act_operand(x1, BK, B), acc1)
         lo0, x0, lo1, x1 = next_lo0, next_x0, next_lo1, next_x1
 
@@ -232,8 +248,8 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
 
 
 @gluon.jit
-def decode_weights(t_ptr, expert_ptr, out_ptr, k, n, stride_te, mask, W: gl.constexpr, K: gl.constexpr,
-                   CB: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STEPS: gl.constexpr):
+def decode_weights(t_ptr, expert_ptr, out_ptr, k, n, stride_te, mask, W: gl.constexpr, CB: gl.constexpr,
+                   BN: gl.constexpr, BK: gl.constexpr, STEPS: gl.constexpr):
     """triton_exl3.decode_weights for grouped_mma's cases: out[i] = W-hat of expert expert[i] (program axis 2) as
     (k, n) fp16, STEPS blocks of (BK, BN) a program, each lane decoding its 8 weights of a tile as grouped_mma
     does (a weight: the sum of its codebook word's halves, in fp16 as the format has it), stored through shared
@@ -247,7 +263,7 @@ def decode_weights(t_ptr, expert_ptr, out_ptr, k, n, stride_te, mask, W: gl.cons
     t = axis(4, 6, 7, TILE)
     lane = 4 * axis(8, 2, 7, TILE) + t
     q = 4 * axis(2, 1, 7, TILE) + 2 * axis(2, 4, 7, TILE) + axis(2, 5, 7, TILE)
-    word, shift, src = lane_words(lane, q, K)
+    word, shift, src = lane_words(lane, q, W)
     lo_off = axis(TK, 3, 7, TILE) * ((n // 16) * W) + (gl.program_id(1) * TN + axis(TN, 0, 7, TILE)) * W + word
     rows = gl.expand_dims(gl.arange(0, BK, layout=gl.SliceLayout(1, ROWS)), 1)
     cols = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(0, ROWS)), 0)
@@ -256,6 +272,6 @@ def decode_weights(t_ptr, expert_ptr, out_ptr, k, n, stride_te, mask, W: gl.cons
     first = gl.program_id(0) * STEPS
     for step in range(first, gl.minimum(k // BK, first + STEPS)):
         lo = gl.load(t_ptr + e * stride_te + step * stride_step + lo_off).to(gl.uint32, bitcast=True)
-        low, high = halves(codewords(lane_states(lo, src, shift, lane, t, q, K), mask, CB))
+        low, high = halves(codewords(lane_states(lo, src, shift, lane, t, q, W), mask, CB))
         w = gl.reshape(gl.permute(low + high, TILE_ORDER.value), [BK, BN])
         gl.store(out + step * BK * n, gl.convert_layout(w, ROWS))

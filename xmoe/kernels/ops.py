@@ -72,7 +72,7 @@ class Launch:
     tiled: bool = False  # decode_tiles (K = 1, 2, 4, 8: each tile's words loaded once), else per-weight gathers
     swap: bool = False  # tiled only: W^T a^T, the decoded weights as the MMA's wide first operand
     gemv: bool = False  # tiled only, BM 1 or 2: grouped_gemv, products on CUDA cores instead of tensor cores
-    mma: bool = False  # BM 8: gluon_mma's grouped_mma, weights decoded into mma.sync registers (CUDA, 3INST/MCG)
+    mma: bool = False  # BM 8: gluon_mma's grouped_mma, weights decoded into mma.sync registers (CUDA, K <= 4)
 
 
 # (BM, BK, BN, warps, stages) per row regime and decoder, from timed sweeps on an H200 at DeepSeek-V4.1 shapes
@@ -99,9 +99,10 @@ TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32,
 # (a dense layer: by the torch matmul), instead of being decoded again for every chunk of rows; DENSE_GROUP experts
 # are decoded per launch.
 DENSE_ROWS = 128
-# The same for the experts of a call whose grouped kernels would gather every weight's words (K = 3: no tiled
-# decoder) while gluon_mma decodes them densely: on the H200 at K = 3, 1,542 uniform tokens took 11.3 ms this way
-# against 20.0-20.5 grouped (stock 12.4), 4,096 uniform 11.0 against 31.7 (stock 27.2).
+# The same for the experts of a call whose grouped kernels would gather every weight's words (K = 3 and the
+# half-integer K: no tiled decoder) while gluon_mma decodes them densely: on the H200 at K = 3, 1,542 uniform
+# tokens took 11.3 ms this way against 20.0-20.5 grouped (stock 12.4), 4,096 uniform 11.0 against 31.7 (stock
+# 27.2).
 DENSE_ROWS_UNTILED = 16
 DENSE_GROUP = 32  # 377 MB of decoded weights per launch at V4.1 shapes; 8 and 16 were 1-3% slower on the H200
 # When at most this many experts would be left to the grouped kernels, they go dense too: the grouped kernels
@@ -152,8 +153,8 @@ def mma_refusal(w: Exl3Weight, device: torch.device) -> str | None:
         return "Gluon kernels run on CUDA GPUs only"
     if DECODER != "tiled":
         reason = f"ops.DECODER is {DECODER!r}"
-    elif not (w.K in (1, 2, 3, 4) and w.codebook in ("3inst", "mcg")):
-        reason = f"K = {w.K} with the {w.codebook} codebook (it decodes 3INST and MCG at K = 1, 2, 3, 4)"
+    elif w.K not in (1, 1.5, 2, 2.5, 3, 3.5, 4):
+        reason = f"K = {w.K} (it decodes K = 1-4 and the half-integer K)"
     else:
         reason = _gluon_refusal()
     if reason:
@@ -254,7 +255,7 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
         if launch.BM > ROWS:
             raise ValueError(f"grouped_mma takes chunks of up to {ROWS} rows, the launch has {launch.BM}")
         grouped_mma[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0,
-                          p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], K=int(w.K),
+                          p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1],
                           CB=CODEBOOK_ID[w.codebook], DUAL=second is not None, BN=launch.BN, BK=launch.BK,
                           SPLIT=launch.split, num_warps=launch.warps, **_maxnreg(MMA_MAXNREG[second is None]))
         return
@@ -286,7 +287,7 @@ def decode_experts(w: Exl3Weight, ids: torch.Tensor) -> torch.Tensor:
         from .gluon_mma import decode_weights as decode_lanes
         steps = 8  # blocks of BK rows a program
         decode_lanes[(-(-w.k // (BK * steps)), w.n // BN, len(ids))](
-            words, ids, out, w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], K=int(w.K),
+            words, ids, out, w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1],
             CB=CODEBOOK_ID[w.codebook], BN=BN, BK=BK, STEPS=steps, num_warps=4)
         return out
     decode_weights[(w.k // BK, w.n // BN, len(ids))](
@@ -359,7 +360,7 @@ def _runs_to_host(r: Routing, experts: int) -> tuple:
 
 def _dense_rows(weights: tuple, device: torch.device) -> int:
     """Rows from which a call's expert goes dense: DENSE_ROWS, or DENSE_ROWS_UNTILED where a projection has no
-    tiled grouped decoder but gluon_mma's decode_weights (K = 3 3INST or MCG)."""
+    tiled grouped decoder but gluon_mma's decode_weights (K = 3 and the half-integer K)."""
     untiled = any(not _tiled(w.K) and mma_refusal(w, device) is None for w in weights)
     return DENSE_ROWS_UNTILED if untiled else DENSE_ROWS
 
