@@ -1,4 +1,5 @@
-"""Timing helpers shared by the kernel benchmarks: CUDA-graph replay timing, eager timing, copy bandwidth."""
+"""Timing helpers shared by the kernel benchmarks: CUDA-graph replay timing, eager timing (one call at a time or
+back to back), copy bandwidth."""
 import sys
 from pathlib import Path
 
@@ -41,6 +42,28 @@ def time_eager(fn, reps: int = 50, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
     return _median_events(fn, reps)
+
+
+def time_pipelined(fn, reps: int = 20, batches: int = 5, warmup: int = 3) -> float:
+    """Median seconds per call of fn when `reps` calls run back to back, as a model's layers do: the host queues
+    the next call while the GPU runs this one. Each call follows an L2 flush; the flushes' own time is taken out."""
+    for _ in range(warmup):
+        fn()
+    flush = torch.empty(64 * 2 ** 20, dtype=torch.int8, device="cuda")
+
+    def batch(f) -> float:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            flush.zero_()
+            f()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+    times = sorted(batch(fn) - batch(lambda: None) for _ in range(batches))
+    return times[len(times) // 2]
 
 
 def _median_events(fn, reps: int) -> float:

@@ -6,10 +6,13 @@ Stock is driven the way its BlockSparseMLP drives it: the cooperative decode ker
 8 tokens, the fused exl3_moe kernel beyond (argsort and bincount included; its host-side count of active
 experts is done outside the timing, which favours stock), and a reconstruct + matmul loop for experts
 with more rows than exl3_moe takes. Both are timed from CUDA graphs where they capture (ours eagerly from
-EAGER_TOKENS, launch overheads included), L2 flushed. The 40-layer stack gives every layer its own experts,
+EAGER_TOKENS, launch overheads included), L2 flushed. Eager calls are timed one at a time (a synchronization
+after each, so the host's work ahead of the first kernel counts in full), or with --pipelined back to back as a
+model's layers run them, the host queueing the next call while the GPU runs this one. The 40-layer stack gives every layer its own experts,
 as a model has.
 
-    python benchmarks/moe_kernel.py [--tokens 6 12 24 48 1542 4096] [--no-stock] [--layers 40] [--json F]
+    python benchmarks/moe_kernel.py [--tokens 6 12 24 48 1542 4096] [--no-stock] [--layers 40] [--pipelined]
+                                    [--json F]
 """
 import argparse
 import copy
@@ -23,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 from cases import random_experts, routing  # noqa: E402
-from common import copy_bandwidth, ptrs, row, time_eager, time_graph  # noqa: E402
+from common import copy_bandwidth, ptrs, row, time_eager, time_graph, time_pipelined  # noqa: E402
 
 from xmoe.kernels import ops  # noqa: E402
 
@@ -110,11 +113,11 @@ def bf16_grouped(x, ids, weights, dense):
     return out.index_add_(0, tok, y.float() * weights.reshape(-1)[order, None])
 
 
-def run_case(T, skew, experts, stock, bw, dense, dev):
+def run_case(T, skew, experts, stock, bw, dense, dev, eager=time_eager):
     ids, weights = routing(T, E, TOPK, skew, seed=T, device=dev)
     x = torch.randn(T, H, device=dev, dtype=torch.half)
     ours_fn = lambda: ops.fused_moe(x, ids, weights, experts, backend="triton")  # noqa: E731
-    ours = time_graph(ours_fn) if T < EAGER_TOKENS else time_eager(ours_fn)
+    ours = time_graph(ours_fn) if T < EAGER_TOKENS else eager(ours_fn)
     nbytes, unique = touched_bytes(experts, ids)
     result = dict(tokens=T, routing="skewed" if skew else "uniform", unique_experts=unique, mbytes=nbytes / 1e6,
                   ours_us=ours * 1e6, ours_gbs=nbytes / ours / 1e9, ours_pct_bw=100 * nbytes / ours / bw,
@@ -136,7 +139,7 @@ def run_case(T, skew, experts, stock, bw, dense, dev):
                 hot = [(e, tok, weights[tok, slot].half()) for e, tok, slot in hot]
                 active = -1 if T * TOPK <= stock.R else int(((count >= 1) & (count <= stock.R)).sum())
                 stock_fn = lambda: stock.fused(x, sel, rw, active, hot)  # noqa: E731
-                t = time_eager(stock_fn)
+                t = (eager if T >= EAGER_TOKENS else time_eager)(stock_fn)
             ref = stock_fn().float()
             got = ops.fused_moe(x, ids, weights, experts, backend="triton").float()
             result.update(stock_us=t * 1e6, speedup=t / ours,
@@ -284,6 +287,7 @@ def main():
                         "and beyond (ops.EPILOGUE)")
     p.add_argument("--mma-maxnreg", type=int, nargs=2, default=ops.MMA_MAXNREG, metavar=("GATE_UP", "DOWN"),
                    help="registers a thread grouped_mma may take (ops.MMA_MAXNREG; 0: the compiler's choice)")
+    p.add_argument("--pipelined", action="store_true", help="time eager calls back to back (else one at a time)")
     p.add_argument("--json")
     args = p.parse_args()
     ops.DENSE_ROWS, ops.DENSE_TILE, ops.DENSE_GROUP = args.dense_rows, tuple(args.dense_tile), args.dense_group
@@ -299,7 +303,8 @@ def main():
     K, CODEBOOK = args.bits, args.codebook
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; calls of {EAGER_TOKENS}+ tokens "
+          f"timed eagerly, {'back to back' if args.pipelined else 'one at a time'}")
     experts = random_experts(E, H, I, K, CODEBOOK, device=dev)
     if args.profile:
         profile(experts, dev, args.tokens, args.skewed)
@@ -322,7 +327,7 @@ def main():
     results = []
     for T in args.tokens:
         for skew in (False, True):
-            r = run_case(T, skew, experts, stock, bw, dense, dev)
+            r = run_case(T, skew, experts, stock, bw, dense, dev, time_pipelined if args.pipelined else time_eager)
             results.append(r)
             print(row((T, r["routing"], r["unique_experts"], f"{r['mbytes']:.0f}", f"{r.get('stock_us', 0):.1f}",
                        f"{r['ours_us']:.1f}", f"{r.get('speedup', 0):.2f}", f"{r['ours_gbs']:.0f}",
@@ -342,7 +347,7 @@ def main():
               f"experts per layer; router, shared expert and residual alone {step['other_us']:.0f} us")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), copy_gbs=bw / 1e9,
-                                                   cases=results, stack=step), indent=1))
+                                                   pipelined=args.pipelined, cases=results, stack=step), indent=1))
 
 
 if __name__ == "__main__":
