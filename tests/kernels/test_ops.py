@@ -14,6 +14,7 @@ from cases import random_experts, random_weight, routing  # noqa: E402
 from xmoe.format.trellis import decode_inner  # noqa: E402
 from xmoe.kernels import ops  # noqa: E402
 from xmoe.kernels.reference import exl3_linear_ref, fused_moe_ref  # noqa: E402
+from xmoe.kernels.routing import Routing, route  # noqa: E402
 
 # Relative to the output's largest magnitude: fp16 rounding of the rotated activations, and of the output.
 TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3, torch.float32: 2e-3}
@@ -155,26 +156,25 @@ def test_dense_path_interpreter():
         "ops.DENSE_TMA = False", f"check_moe(**{dict(SMALL_MOE[2], M=24)}, device='cpu')"]))
 
 
-@pytest.mark.parametrize("rows, rest, group", [(128, 8, 32), (12, 0, 2), (1, 8, 3)])
-def test_hot_expert_tables(monkeypatch, rows, rest, group):
+def check_hot_tables(rows: int, rest: int, group: int) -> None:
     """The dense experts' tables: which experts go dense, and chunks of at most BM rows (pos, length, index in
-    the group) covering each one's sorted rows in order, once."""
-    monkeypatch.setattr(ops, "DENSE_REST", rest)
-    monkeypatch.setattr(ops, "DENSE_GROUP", group)
-    BM = 16
+    the group) covering each one's sorted rows in order, once; a route_small routing (no runs) too."""
+    ops.DENSE_REST, ops.DENSE_GROUP = rest, group
+    BM, E = 16, 64
     for trial in range(40):
         g = torch.Generator().manual_seed(trial)
-        counts = (torch.rand(64, generator=g) ** 6 * 400).long() * (torch.rand(64, generator=g) < trial / 40)
+        counts = (torch.rand(E, generator=g) ** 6 * 400).long() * (torch.rand(E, generator=g) < trial / 40)
         ends = counts.cumsum(0)
-        hot = ops._hot_experts((torch.stack([ends - counts, ends]).int(), None), 64, BM, rows, torch.device("cpu"))
-        nonzero = [e for e in range(64) if counts[e]]
+        r = Routing(*[None] * 5, runs=torch.stack([ends - counts, ends]).int())
+        hot = ops._hot_experts(ops._find_hot(r, int(ends[-1]), E, BM, rows, torch.device("cpu")))
+        nonzero = [e for e in range(E) if counts[e]]
         dense = [e for e in nonzero if counts[e] >= rows]
         if len(nonzero) - len(dense) <= rest:
             dense = nonzero
         if not dense:
             assert hot is None
             continue
-        assert hot.flags.tolist() == [int(e in dense) for e in range(65)] and hot.every == (dense == nonzero)
+        assert hot.flags.tolist() == [int(e in dense) for e in range(E + 1)] and hot.every == (dense == nonzero)
         assert [len(ids) for ids, *_ in hot.groups] == [min(group, len(dense) - i) for i in range(0, len(dense), group)]
         for i, (ids, pos, length, slot) in enumerate(hot.groups):
             assert ids.tolist() == dense[i * group:(i + 1) * group]
@@ -183,6 +183,16 @@ def test_hot_expert_tables(monkeypatch, rows, rest, group):
                 mine = slot == j
                 covered = [r for p, n in zip(pos[mine].tolist(), length[mine].tolist()) for r in range(p, p + n)]
                 assert covered == list(range(ends[e] - counts[e], ends[e])), (trial, e)
+    ids = torch.tensor([[3, 1], [3, 3], [0, 3]])  # route_small's routing, whose runs _find_hot counts itself
+    hot = ops._hot_experts(ops._find_hot(route(ids, 4, BM, backend="triton"), 6, 4, BM, 2, torch.device("cpu")))
+    dense = [0, 1, 3] if rest >= 2 else [3]  # experts 0 and 1 have a row each, 3 has four
+    assert hot.flags.tolist() == [int(e in dense) for e in range(5)]
+    assert torch.cat([g[0] for g in hot.groups]).tolist() == dense
+
+
+def test_hot_expert_tables():
+    pytest.importorskip("triton")
+    run_interpreted("\n".join(f"check_hot_tables{c}" for c in ((128, 8, 32), (12, 0, 2), (1, 8, 3))))
 
 
 def test_gemv_plan():

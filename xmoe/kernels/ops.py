@@ -12,13 +12,12 @@ import os
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-import numpy as np
 import torch
 
 from ..format.hadamard import hadamard_128
 from ..format.trellis import state_windows
 from .reference import exl3_linear_ref, fused_moe_ref
-from .routing import Routing, expected_experts, route
+from .routing import Routing, chunk_bound, expected_experts, route
 from .weights import Exl3Experts, Exl3Weight
 
 BACKENDS = ("auto", "triton", "torch")
@@ -340,22 +339,39 @@ class Hot:
     every: bool  # no expert is left to the grouped kernels
 
 
-def _runs_to_host(r: Routing, experts: int) -> tuple:
-    """Starts copying the experts' runs (2, experts: first and end sorted position) to the host; returns (host
-    tensor, CUDA event or None). Work queued after this call does not delay the read (_hot_experts)."""
+def _find_hot(r: Routing, P: int, experts: int, BM: int, rows: int, device: torch.device) -> tuple:
+    """Finds the call's dense experts on the device (hot_experts, from the routing's runs) and starts copying
+    their counts to the host; returns what _hot_experts reads. Work queued after this call does not delay the
+    read."""
+    import triton
+    from .triton_route import hot_experts
     runs = r.runs
     if runs is None:  # route_small's routing: count the slots (a scatter: bincount reads its maximum back)
         slot = r.slot_expert.long() + 1  # 0: other ranks' slots
         counts = torch.zeros(experts + 1, dtype=torch.long, device=slot.device)
         ends = counts.scatter_add_(0, slot, torch.ones_like(slot))[1:].cumsum(0)
-        runs = torch.stack([ends - counts[1:], ends])
-    if not runs.is_cuda:
-        return runs, None
-    host = torch.empty(runs.shape, dtype=runs.dtype, pin_memory=True)
-    host.copy_(runs, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return host, done
+        runs = torch.stack([ends - counts[1:], ends]).int()
+    G = DENSE_GROUP
+    GB = triton.next_power_of_2(-(-experts // G))
+    flags = torch.empty(experts + 1, dtype=torch.int32, device=device)
+    ids = torch.empty(experts, dtype=torch.int32, device=device)
+    table = torch.empty(3, chunk_bound(P, BM, experts), dtype=torch.int32, device=device)
+    counts = torch.empty(2 + GB, dtype=torch.int32, device=device)
+    hot_experts[(1,)](runs, flags, ids, table, counts, experts, rows, DENSE_REST, runs.stride(0), table.stride(0),
+                      BM=BM, G=G, EB=triton.next_power_of_2(experts + 1), GB=GB, num_warps=4)
+    done = None
+    if device.type == "cuda":
+        counts = _host_counts(counts.numel(), str(device)).copy_(counts, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+    return flags, ids, table, counts, done, G
+
+
+@lru_cache(maxsize=None)
+def _host_counts(n: int, device: str) -> torch.Tensor:
+    """Pinned host memory that _find_hot's counts come back to: one buffer, reused, as each call reads it before
+    the next can write it."""
+    return torch.empty(n, dtype=torch.int32, pin_memory=True)
 
 
 def _dense_rows(weights: tuple, device: torch.device) -> int:
@@ -365,36 +381,22 @@ def _dense_rows(weights: tuple, device: torch.device) -> int:
     return DENSE_ROWS_UNTILED if untiled else DENSE_ROWS
 
 
-def _hot_experts(runs: tuple, experts: int, BM: int, rows: int, device: torch.device) -> Hot | None:
-    """The call's dense experts (Hot), None if there are none, from _runs_to_host's copy: waits for it alone. Only
-    for calls of at least DENSE_ROWS tokens, never inside a CUDA-graph capture. The tables go back in one copy
-    from pinned memory, which does not wait for the kernels queued before it."""
-    host, done = runs
+def _hot_experts(found: tuple) -> Hot | None:
+    """The call's dense experts (Hot), None if there are none, from _find_hot's tables: waits for its counts
+    alone; the tables stay on the device, cut into groups by the counts. Only for calls of at least DENSE_ROWS
+    tokens, never inside a CUDA-graph capture."""
+    flags, ids, table, counts, done, G = found
     if done is not None:
         done.synchronize()
-    starts, ends = host.numpy().astype(np.int64)  # numpy: with 384 experts, Python lists took 2-6x as long
-    counts = ends - starts
-    hot = counts >= rows
-    rest = (counts > 0) & ~hot
-    every = bool(rest.sum() <= DENSE_REST)  # then the few others go dense too
-    if every:
-        hot |= rest
-    ids = np.flatnonzero(hot)
-    if not len(ids):
+    dense, every, *chunks = counts.tolist()
+    if not dense:
         return None
-    flags = np.zeros(experts + 1, np.int64)
-    flags[ids] = 1
-    parts = [flags]
-    for i in range(0, len(ids), DENSE_GROUP):
-        group = ids[i:i + DENSE_GROUP]
-        n = -(-counts[group] // BM)  # chunks of each expert
-        slot = np.repeat(np.arange(len(group)), n)
-        offset = (np.arange(n.sum()) - np.repeat(n.cumsum() - n, n)) * BM
-        parts += [group, starts[group][slot] + offset, np.minimum(BM, counts[group][slot] - offset), slot]
-    flat = torch.from_numpy(np.concatenate(parts).astype(np.int32))
-    pieces = (flat.pin_memory() if device.type == "cuda" else flat).to(device, non_blocking=True).split(
-        [len(part) for part in parts])
-    return Hot(pieces[0], [pieces[i:i + 4] for i in range(1, len(pieces), 4)], every=every)
+    groups, at = [], 0
+    for i in range(0, -(-dense // G)):
+        end = at + chunks[i]
+        groups.append((ids[i * G:min(dense, (i + 1) * G)], *table[:, at:end]))
+        at = end
+    return Hot(flags, groups, every=bool(every))
 
 
 def _dense_products(hot: Hot | None, a0, a1, w: Exl3Weight, second: Exl3Weight | None, p0, p1) -> None:
@@ -524,12 +526,12 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, gemv=False)
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
-    runs = _runs_to_host(r, E) if _dense_call(M, up_launch, dev) else None
-    # the GPU rotates while the host waits for the runs and builds the tables of the dense experts
+    found = None
+    if _dense_call(M, up_launch, dev):
+        found = _find_hot(r, P, E, _dense_tile(dev)[0], _dense_rows((g, experts.up, d), dev), dev)
+    # the GPU rotates while the host waits for the counts of the dense experts
     a0, a1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
-    hot = None
-    if runs is not None:
-        hot = _hot_experts(runs, E, _dense_tile(dev)[0], _dense_rows((g, experts.up, d), dev), dev)
+    hot = _hot_experts(found) if found else None
     grouped = not (hot and hot.every)  # some experts are left to the grouped kernels
     chunks = _without(r.chunks, hot, E) if hot and grouped else r.chunks
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)

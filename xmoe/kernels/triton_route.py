@@ -79,3 +79,37 @@ def route_positions(order_ptr, sorted_ptr, info_ptr, rows_ptr, sorted_expert_ptr
     tl.store(table_ptr + stride_table + chunk, tl.minimum(tl.load(info_ptr + E + e, mask=lead, other=0) - p, BM),
              mask=lead)
     tl.store(table_ptr + 2 * stride_table + chunk, e, mask=lead)
+
+
+@triton.jit
+def hot_experts(runs_ptr, flags_ptr, ids_ptr, table_ptr, counts_ptr, E, rows, rest, stride_runs, stride_table,
+                BM: tl.constexpr, G: tl.constexpr, EB: tl.constexpr, GB: tl.constexpr):
+    """The call's dense experts from their runs (runs_ptr: first and end sorted position a local expert): those
+    of at least `rows` rows, or every expert with rows where at most `rest` others are left. flags (E + 1: the
+    last, other ranks' slots, 0); ids, the dense experts ascending, cut into groups of G; table (pos, length,
+    slot): each one's chunks of at most BM rows, in order, slot its index in its group, so that each group's
+    chunks are one contiguous run; counts: (dense experts, all dense, chunks of each of GB groups)."""
+    e = tl.arange(0, EB)
+    ours = e < E
+    start = tl.load(runs_ptr + e, mask=ours, other=0)
+    length = tl.load(runs_ptr + stride_runs + e, mask=ours, other=0) - start
+    hot = (length >= rows) & (length > 0)
+    left = (length > 0) & ~hot
+    every = tl.sum(left.to(tl.int32), 0) <= rest
+    dense = tl.where(hot | (left & every), 1, 0)
+    hot = dense != 0
+    rank = tl.cumsum(dense, 0) - dense
+    chunks = tl.where(hot, (length + BM - 1) // BM, 0)
+    first = tl.cumsum(chunks, 0) - chunks
+    tl.store(flags_ptr + e, dense, mask=e <= E)
+    tl.store(ids_ptr + rank, e, mask=hot)
+    for j in range(0, tl.max(chunks, 0)):
+        live = j < chunks
+        tl.store(table_ptr + first + j, start + j * BM, mask=live)
+        tl.store(table_ptr + stride_table + first + j, tl.minimum(length - j * BM, BM), mask=live)
+        tl.store(table_ptr + 2 * stride_table + first + j, rank % G, mask=live)
+    group = tl.arange(0, GB)
+    mine = ((rank // G)[None, :] == group[:, None]) & hot[None, :]
+    tl.store(counts_ptr + 2 + group, tl.sum(tl.where(mine, chunks[None, :], 0), 1))
+    tl.store(counts_ptr, tl.sum(dense, 0))
+    tl.store(counts_ptr + 1, every.to(tl.int32))
