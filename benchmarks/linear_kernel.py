@@ -1,8 +1,9 @@
 """Dense EXL3 linear: xmoe's Triton kernel against exllamav3 1.6.5's exl3_gemm (built in the same run,
 autotuned before timing) and a bf16 matmul, at 1-8 and 1,024+ rows, K 2/3/4, MCG (--codebook). CUDA graphs up
-to 512 rows, L2 flushed.
+to 512 rows, L2 flushed. With --layers N each timing runs N layers of distinct weights in a row (one graph) and
+reports the time a layer: a graph of one small call is mostly its own launch, where a model's graph holds them all.
 
-    python benchmarks/linear_kernel.py [--rows 1 4 8 1024 4096] [--no-stock] [--json F]
+    python benchmarks/linear_kernel.py [--rows 1 4 8 1024 4096] [--layers 1] [--no-stock] [--json F]
 """
 import argparse
 import json
@@ -22,27 +23,32 @@ SHAPES = [(5120, 5120), (5120, 2304), (2304, 5120)]
 EAGER_ROWS = 512  # from here ours is timed eagerly, as vLLM runs batches beyond its CUDA-graph sizes
 
 
-def case(ext, k, n, K, M, bw, dev, codebook):
-    w = random_weight(k, n, K, codebook, device=dev)
+def case(ext, k, n, K, M, bw, dev, codebook, layers=1):
+    ws = [random_weight(k, n, K, codebook, seed=i, device=dev) for i in range(layers)]
+    w = ws[0]
     x = torch.randn(M, k, device=dev, dtype=torch.half)
     timer = time_eager if M >= EAGER_ROWS else time_graph
-    ours = timer(lambda: ops.exl3_linear(x, w, backend="triton"))
+    ours = timer(lambda: [ops.exl3_linear(x, wi, backend="triton") for wi in ws]) / layers
     nbytes = w.trellis.numel() * 2
-    dense = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+    dense = [torch.randn(k, n, device=dev, dtype=torch.bfloat16) for _ in ws]
     xb = x.bfloat16()
-    r = dict(k=k, n=n, K=K, rows=M, ours_us=ours * 1e6, ours_gbs=nbytes / ours / 1e9,
+    r = dict(k=k, n=n, K=K, rows=M, layers=layers, ours_us=ours * 1e6, ours_gbs=nbytes / ours / 1e9,
              ours_pct_bw=100 * nbytes / ours / bw, ours_tweights=k * n / ours / 1e12,
-             bf16_us=time_graph(lambda: xb @ dense) * 1e6)
+             bf16_us=time_graph(lambda: [xb @ d for d in dense]) / layers * 1e6)
     if ext is not None:
         y, xh = torch.empty(M, n, device=dev, dtype=torch.half), torch.empty_like(x)
         mcg, mul1 = codebook == "mcg", codebook == "mul1"  # exllamav3's codebook flags (both off: 3INST)
-        stock_fn = lambda: ext.exl3_gemm(x, w.trellis, y, w.suh, xh, w.svh, -1, mcg, mul1, 0)  # noqa: E731
+
+        def stock_fn(ws=ws):
+            for wi in ws:
+                ext.exl3_gemm(x, wi.trellis, y, wi.suh, xh, wi.svh, -1, mcg, mul1, 0)
         try:
-            stock_fn()  # autotunes outside the capture
+            stock_fn(ws[:1])  # autotunes outside the capture
             try:
-                t = time_graph(stock_fn)
+                t = time_graph(stock_fn) / layers
             except Exception:
-                t = time_eager(stock_fn)
+                t = time_eager(stock_fn) / layers
+            stock_fn(ws[:1])
             got = ops.exl3_linear(x, w, backend="triton").float()
             r.update(stock_us=t * 1e6, speedup=t / ours,
                      max_rel_diff=float((got - y.float()).abs().max() / y.float().abs().max()))
@@ -55,6 +61,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 1024, 4096])
     p.add_argument("--bits", type=float, nargs="+", default=[2, 3, 4])
+    p.add_argument("--layers", type=int, default=1, help="layers of distinct weights a timing runs in a row")
     p.add_argument("--no-stock", action="store_true")
     p.add_argument("--codebook", choices=("3inst", "mcg", "mul1"), default="mcg")
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
@@ -67,7 +74,7 @@ def main():
     ops.DECODER, ops.GEMV_ROWS, ops.MMA_ROWS = args.decoder, args.gemv_rows, args.mma_rows
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {args.layers} layer(s) a timing")
     ext = None
     if not args.no_stock:
         from stock import load_stock
@@ -79,7 +86,7 @@ def main():
     for k, n in SHAPES:
         for K in args.bits:
             for M in args.rows:
-                r = case(ext, k, n, K, M, bw, dev, args.codebook)
+                r = case(ext, k, n, K, M, bw, dev, args.codebook, args.layers)
                 results.append(dict(r, codebook=args.codebook))
                 print(row((f"{k}x{n}", f"{K:g}", M, f"{r.get('stock_us', 0):.1f}", f"{r['ours_us']:.1f}",
                            f"{r.get('speedup', 0):.2f}", f"{r['ours_gbs']:.0f}", f"{r['ours_pct_bw']:.1f}",
