@@ -69,9 +69,12 @@ def main():
                    help="rows up to which tiled launches take grouped_gemv (ops.GEMV_ROWS; 0: never)")
     p.add_argument("--mma-rows", type=float, default=ops.MMA_ROWS,
                    help="rows up to which grouped_mma takes the call (ops.MMA_ROWS; 0: never)")
+    p.add_argument("--fill", type=int, help="programs a multiprocessor the K split aims for, every regime (ops.FILL)")
     p.add_argument("--json")
     args = p.parse_args()
     ops.DECODER, ops.GEMV_ROWS, ops.MMA_ROWS = args.decoder, args.gemv_rows, args.mma_rows
+    if args.fill:
+        ops.FILL = dict.fromkeys(ops.FILL, args.fill)
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {args.layers} layer(s) a timing")
