@@ -49,7 +49,7 @@ def time_pipelined(fn, reps: int = 20, batches: int = 5, warmup: int = 3) -> flo
     the next call while the GPU runs this one. Each call follows an L2 flush; the flushes' own time is taken out."""
     for _ in range(warmup):
         fn()
-    flush = torch.empty(64 * 2 ** 20, dtype=torch.int8, device="cuda")
+    flush = _flush_buffer()
 
     def batch(f) -> float:
         torch.cuda.synchronize()
@@ -66,8 +66,12 @@ def time_pipelined(fn, reps: int = 20, batches: int = 5, warmup: int = 3) -> flo
     return times[len(times) // 2]
 
 
+def _flush_buffer() -> torch.Tensor:
+    return torch.empty(64 * 2 ** 20, dtype=torch.int8, device="cuda")  # larger than L2: zeroing it evicts weights
+
+
 def _median_events(fn, reps: int) -> float:
-    flush = torch.empty(64 * 2 ** 20, dtype=torch.int8, device="cuda")  # larger than L2: no weight stays cached
+    flush = _flush_buffer()
     times = []
     for _ in range(reps):
         flush.zero_()

@@ -2,14 +2,14 @@
 DeepSeek-V4.1's per-rank shapes (TP2: 384 experts, hidden 5120, intermediate 1152, top-6, K=2 MCG; --bits and
 --codebook change the last two).
 
-Stock is driven the way its BlockSparseMLP drives it: the cooperative decode kernels (exl3_moe_coop) up to
-8 tokens, the fused exl3_moe kernel beyond (argsort and bincount included; its host-side count of active
-experts is done outside the timing, which favours stock), and a reconstruct + matmul loop for experts
-with more rows than exl3_moe takes. Both are timed from CUDA graphs where they capture (ours eagerly from
-EAGER_TOKENS, launch overheads included), L2 flushed. Eager calls are timed one at a time (a synchronization
-after each, so the host's work ahead of the first kernel counts in full), or with --pipelined back to back as a
-model's layers run them, the host queueing the next call while the GPU runs this one. The 40-layer stack gives every layer its own experts,
-as a model has.
+Stock is driven the way its BlockSparseMLP drives it: the cooperative decode kernels (exl3_moe_coop) up to 8
+tokens, the fused exl3_moe kernel beyond (argsort and bincount included; its host-side count of active experts is
+done outside the timing, which favours stock), and a reconstruct + matmul loop for experts with more rows than
+exl3_moe takes. Both are timed from CUDA graphs where they capture (ours eagerly from EAGER_TOKENS, launch
+overheads included), L2 flushed. Eager calls are timed one at a time (a synchronization after each, so the host's
+work ahead of the first kernel counts in full), or with --pipelined back to back as a model's layers run them,
+the host queueing the next call while the GPU runs this one. The 40-layer stack gives every layer its own
+experts, as a model has.
 
     python benchmarks/moe_kernel.py [--tokens 6 12 24 48 1542 4096] [--no-stock] [--layers 40] [--pipelined]
                                     [--json F]

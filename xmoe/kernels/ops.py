@@ -392,7 +392,7 @@ def _hot_experts(found: tuple) -> Hot | None:
     if not dense:
         return None
     groups, at = [], 0
-    for i in range(0, -(-dense // G)):
+    for i in range(-(-dense // G)):
         end = at + chunks[i]
         groups.append((ids[i * G:min(dense, (i + 1) * G)], *table[:, at:end]))
         at = end
