@@ -277,10 +277,11 @@ def _split_sum(p_ptr, pos, cols, mask, P, n, SPLIT: tl.constexpr):
     and 16 splits, Triton 3.6: 1,056 shared-memory loads, 83 barriers, spills; this way 48, 21, none).
     Prefill's 64 rows, mostly one split, load them plainly: there the unit axis held more registers."""
     if pos.shape[0] <= 16:
-        at = pos.to(tl.int64)[None, :, None] * n + cols[None, None, :]
-        acc = tl.sum(tl.load(p_ptr + at, mask=mask[None, :, :], other=0.0), axis=0)
+        acc = tl.sum(tl.load(p_ptr + pos.to(tl.int64)[None, :, None] * n + cols[None, None, :],
+                             mask=mask[None, :, :], other=0.0), axis=0)
         for s in tl.static_range(1, SPLIT):
-            acc += tl.sum(tl.load(p_ptr + (s * P).to(tl.int64) * n + at, mask=mask[None, :, :], other=0.0), axis=0)
+            at = (s * P + pos).to(tl.int64)[None, :, None] * n + cols[None, None, :]
+            acc += tl.sum(tl.load(p_ptr + at, mask=mask[None, :, :], other=0.0), axis=0)
         return acc
     acc = tl.load(p_ptr + pos.to(tl.int64)[:, None] * n + cols[None, :], mask=mask, other=0.0)
     for s in tl.static_range(1, SPLIT):
