@@ -403,15 +403,16 @@ def test_linear_cuda_graph_replay_equals_eager():
 
 
 def test_triton_routes_equal_route_interpreter():
-    """The Triton routings (one launch for decode sizes, a sort and two launches beyond) give route()'s sorted
-    slots and chunks exactly."""
+    """The Triton routings (one launch for decode sizes, a counting sort in two launches beyond, here over up to
+    four blocks of slots) give route()'s sorted slots and chunks exactly, and the experts' runs."""
     pytest.importorskip("triton")
     run_interpreted("""
 for M, E, top_k, BM, skew, ep in ((1, 8, 2, 1, False, False), (6, 384, 6, 1, True, False), (12, 32, 6, 4, True, False),
                                   (7, 16, 8, 16, True, True),
                                   (21, 64, 6, 2, False, True), (16, 8, 8, 16, True, False),
                                   (40, 384, 6, 16, True, False), (300, 64, 4, 64, False, True),
-                                  (222, 384, 6, 64, True, True), (1100, 8, 1, 128, True, False)):
+                                  (222, 384, 6, 64, True, True), (1100, 8, 1, 128, True, False),
+                                  (400, 384, 8, 16, True, False), (500, 64, 8, 128, False, True)):
     ids, _ = routing(M, E, top_k, skew, seed=M, device='cpu')
     emap = None
     if ep:
@@ -425,6 +426,10 @@ for M, E, top_k, BM, skew, ep in ((1, 8, 2, 1, False, False), (6, 384, 6, 1, Tru
     assert int(b.chunks[3]) == count and a.chunks[4] == b.chunks[4], (M, E)
     for x, y in zip(a.chunks[:3], b.chunks[:3]):
         assert torch.equal(x[:count].int(), y[:count].int()), (M, E)
+    if b.runs is not None:
+        ends = torch.bincount(a.sorted_expert.long(), minlength=n + 1)[:n].cumsum(0)
+        first = ends - torch.bincount(a.sorted_expert.long(), minlength=n + 1)[:n]
+        assert torch.equal(b.runs.long(), torch.stack([first, ends])), (M, E)
 """)
 
 

@@ -32,11 +32,11 @@ def chunk_bound(slots: int, BM: int, experts: int) -> int:
 def route(topk_ids: torch.Tensor, experts: int, BM: int, expert_map: torch.Tensor | None = None,
           backend: str = "torch") -> Routing:
     """Group slots by expert with device-side sort, scan and scatter: no host sync, so it graph-captures.
-    backend "triton" takes one launch (route_small) where the slots are few enough, else a sort and two
-    launches (_route_sorted); "torch" is the reference, two dozen torch kernels."""
+    backend "triton" takes one launch (route_small) where the slots are few enough, else two (_route_counted);
+    "torch" is the reference, two dozen torch kernels."""
     if backend == "triton":
         small = topk_ids.numel() <= ROUTE_SLOTS
-        return (_route_small if small else _route_sorted)(topk_ids, experts, BM, expert_map)
+        return (_route_small if small else _route_counted)(topk_ids, experts, BM, expert_map)
     top_k = topk_ids.shape[1]
     local = (topk_ids if expert_map is None else expert_map[topk_ids.long()]).reshape(-1).long()
     key = torch.where(local >= 0, local, experts)
@@ -74,27 +74,30 @@ def _route_small(topk_ids, experts, BM, expert_map) -> Routing:
     return Routing(out[0], out[1], out[2], out[3], (table[0], table[1], table[2], count, bound))
 
 
-def _route_sorted(topk_ids, experts, BM, expert_map) -> Routing:
-    """route() in a sort and two Triton launches: at 1,542 tokens the torch version spent about 1 ms of host time
-    on its launches, ahead of the call's one synchronization."""
+def _route_counted(topk_ids, experts, BM, expert_map) -> Routing:
+    """route() as a counting sort in two Triton launches (route_counts, route_scatter). A torch sort and two
+    launches took about 380 us of host time a prefill call when calls ran back to back, ahead of its one
+    synchronization."""
     import triton
-    from .triton_route import route_bounds, route_positions
+    from .triton_route import route_counts, route_scatter
     P, dev = topk_ids.numel(), topk_ids.device
-    local = (topk_ids if expert_map is None else expert_map[topk_ids.long()]).reshape(-1)
-    key = local if expert_map is None else torch.where(local >= 0, local, experts)
-    key = key.to(torch.int16 if experts < 2 ** 15 - 1 else torch.int32)  # fewer radix passes
-    sorted_key, order = torch.sort(key, stable=True)
+    BP, EB = 1024, triton.next_power_of_2(experts + 2)
+    blocks = triton.cdiv(P, BP)
     bound = chunk_bound(P, BM, experts)
-    info = torch.empty(3, experts, dtype=torch.int32, device=dev)
-    count = torch.empty(1, dtype=torch.int32, device=dev)
-    route_bounds[(1,)](sorted_key, info, count, P, experts, P.bit_length() + 1, BM=BM,
-                       EB=triton.next_power_of_2(experts + 1), num_warps=4)
-    out = torch.empty(3, P, dtype=torch.int32, device=dev)  # rows, sorted_expert, slot_pos
-    table = torch.zeros(3, bound + 1, dtype=torch.int32, device=dev)
-    BP = 1024
-    route_positions[(triton.cdiv(P, BP),)](order, sorted_key, info, out[0], out[1], out[2], table, P, experts,
-                                           table.stride(0), TOPK=topk_ids.shape[1], BM=BM, BP=BP, num_warps=4)
-    return Routing(out[0], out[1], out[2], local.int(), (table[0], table[1], table[2], count, bound), info[:2])
+    ids = topk_ids.contiguous()
+    emap = expert_map if expert_map is not None else ids
+    hist = torch.empty(blocks, EB, dtype=torch.int32, device=dev)
+    out = torch.empty(4, P, dtype=torch.int32, device=dev)  # rows, sorted_expert, slot_pos, slot_expert
+    table = torch.empty(3, bound + 1, dtype=torch.int32, device=dev)
+    runs = torch.empty(2 * experts + 1, dtype=torch.int32, device=dev)  # starts, ends, the chunk count
+    has_map = expert_map is not None
+    route_counts[(blocks,)](ids, emap, hist, P, experts, HAS_MAP=has_map, BP=BP, EB=EB, num_warps=4)
+    route_scatter[(blocks,)](ids, emap, hist, out[0], out[1], out[2], out[3], table, runs, runs[2 * experts:], P,
+                             experts, blocks, table.stride(0), TOPK=topk_ids.shape[1], BM=BM, HAS_MAP=has_map,
+                             BP=BP, EB=EB, num_warps=8)
+    count = runs[2 * experts:]
+    return Routing(out[0], out[1], out[2], out[3], (table[0], table[1], table[2], count, bound),
+                   runs[:2 * experts].view(2, experts))
 
 
 def expected_experts(slots: int, experts: int) -> int:

@@ -37,48 +37,66 @@ def route_small(ids_ptr, emap_ptr, rows_ptr, sorted_expert_ptr, slot_pos_ptr, sl
 
 
 @triton.jit
-def route_bounds(sorted_ptr, info_ptr, count_ptr, P, E, steps, BM: tl.constexpr, EB: tl.constexpr):
-    """For the slots sorted by expert (sorted_ptr, ascending; E for other ranks'), one program finds each local
-    expert's run [start, end) by binary search and numbers its chunks of BM rows: info = (start, end, index of
-    the first chunk), count = all chunks."""
-    e = tl.arange(0, EB)
-    lo, hi = tl.zeros([EB], tl.int32), tl.zeros([EB], tl.int32) + P  # lower bound of e
-    lo2, hi2 = tl.zeros([EB], tl.int32), tl.zeros([EB], tl.int32) + P  # upper bound of e
-    for _ in range(steps):
-        mid = (lo + hi) // 2
-        below = tl.load(sorted_ptr + mid, mask=mid < hi, other=0) < e
-        lo, hi = tl.where((mid < hi) & below, mid + 1, lo), tl.where((mid < hi) & ~below, mid, hi)
-        mid = (lo2 + hi2) // 2
-        below = tl.load(sorted_ptr + mid, mask=mid < hi2, other=0) <= e
-        lo2, hi2 = tl.where((mid < hi2) & below, mid + 1, lo2), tl.where((mid < hi2) & ~below, mid, hi2)
-    ours = e < E
-    per = tl.where(ours, (lo2 - lo + BM - 1) // BM, 0)
-    tl.store(info_ptr + e, lo, mask=ours)
-    tl.store(info_ptr + E + e, lo2, mask=ours)
-    tl.store(info_ptr + 2 * E + e, tl.cumsum(per, 0) - per, mask=ours)
-    tl.store(count_ptr, tl.sum(per, 0))
+def _slot_keys(ids_ptr, emap_ptr, p, live, E, HAS_MAP: tl.constexpr):
+    """The local expert of slots p (E for other ranks' slots, E + 1 past the end: those sort last)."""
+    e = tl.load(ids_ptr + p, mask=live, other=0).to(tl.int32)
+    if HAS_MAP:
+        e = tl.load(emap_ptr + e, mask=live, other=-1).to(tl.int32)
+    return tl.where(live, tl.where(e >= 0, e, E), E + 1)
 
 
 @triton.jit
-def route_positions(order_ptr, sorted_ptr, info_ptr, rows_ptr, sorted_expert_ptr, slot_pos_ptr, table_ptr, P, E,
-                    stride_table, TOPK: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr):
-    """Per sorted position p (slot order[p] of expert sorted[p]): its token, its expert, the inverse permutation,
-    and, where p starts a chunk, the chunk's (pos, len, expert) at the index route_bounds gave it."""
+def route_counts(ids_ptr, emap_ptr, hist_ptr, P, E, HAS_MAP: tl.constexpr, BP: tl.constexpr, EB: tl.constexpr):
+    """hist[b, key]: how many of block b's BP slots go to each key (local expert, E for other ranks)."""
     p = tl.program_id(0) * BP + tl.arange(0, BP)
-    live = p < P
-    slot = tl.load(order_ptr + p, mask=live, other=0).to(tl.int32)
-    e = tl.load(sorted_ptr + p, mask=live, other=E).to(tl.int32)
-    tl.store(rows_ptr + p, slot // TOPK, mask=live)
-    tl.store(sorted_expert_ptr + p, e, mask=live)
-    tl.store(slot_pos_ptr + slot, p, mask=live)
-    ours = live & (e < E)
-    start = tl.load(info_ptr + e, mask=ours, other=0)
-    lead = ours & ((p - start) % BM == 0)
-    chunk = tl.load(info_ptr + 2 * E + e, mask=lead, other=0) + (p - start) // BM
-    tl.store(table_ptr + chunk, p, mask=lead)
-    tl.store(table_ptr + stride_table + chunk, tl.minimum(tl.load(info_ptr + E + e, mask=lead, other=0) - p, BM),
-             mask=lead)
-    tl.store(table_ptr + 2 * stride_table + chunk, e, mask=lead)
+    key = _slot_keys(ids_ptr, emap_ptr, p, p < P, E, HAS_MAP)
+    tl.store(hist_ptr + tl.program_id(0) * EB + tl.arange(0, EB), tl.histogram(key, EB, mask=p < P))
+
+
+@triton.jit
+def route_scatter(ids_ptr, emap_ptr, hist_ptr, rows_ptr, sorted_expert_ptr, slot_pos_ptr, slot_expert_ptr,
+                  table_ptr, runs_ptr, count_ptr, P, E, blocks, stride_table, TOPK: tl.constexpr, BM: tl.constexpr,
+                  HAS_MAP: tl.constexpr, BP: tl.constexpr, EB: tl.constexpr):
+    """A counting sort of the slots by key, stable in the slot: block b's slot of key k goes to k's first
+    position, plus its slots in earlier blocks, plus its rank among k's slots in block b (a sort of the block).
+    Writes each position's token (rows) and key, each slot's position and local expert (-1: another rank's),
+    the chunks (pos, len, expert) at the positions that start one, each local expert's run [start, end) (runs)
+    and the number of chunks (count)."""
+    b = tl.program_id(0)
+    keys = tl.arange(0, EB)
+    before, total = tl.zeros([EB], tl.int32), tl.zeros([EB], tl.int32)
+    for other in range(0, blocks):
+        h = tl.load(hist_ptr + other * EB + keys)
+        before += tl.where(other < b, h, 0)
+        total += h
+    start = tl.cumsum(total, 0) - total
+    ours = keys < E
+    per = tl.where(ours, (total + BM - 1) // BM, 0)
+    first = tl.cumsum(per, 0) - per
+    mine = tl.load(hist_ptr + b * EB + keys)
+    base = start + before - (tl.cumsum(mine, 0) - mine)  # + the slot's index in the block's sorted slots
+    if b == 0:
+        tl.store(runs_ptr + keys, start, mask=ours)
+        tl.store(runs_ptr + E + keys, start + total, mask=ours)
+        tl.store(count_ptr, tl.sum(per, 0))
+    i = tl.arange(0, BP)
+    p = b * BP + i
+    order = tl.sort(_slot_keys(ids_ptr, emap_ptr, p, p < P, E, HAS_MAP) * BP + i)  # by key, then slot
+    key = order // BP
+    slot = b * BP + order % BP
+    live = key <= E
+    pos = tl.gather(base, tl.minimum(key, E), 0) + i
+    tl.store(rows_ptr + pos, slot // TOPK, mask=live)
+    tl.store(sorted_expert_ptr + pos, key, mask=live)
+    tl.store(slot_pos_ptr + slot, pos, mask=live)
+    tl.store(slot_expert_ptr + slot, tl.where(key < E, key, -1), mask=live)
+    k = tl.minimum(key, E)
+    offset = pos - tl.gather(start, k, 0)
+    lead = live & (key < E) & (offset % BM == 0)
+    chunk = tl.gather(first, k, 0) + offset // BM
+    tl.store(table_ptr + chunk, pos, mask=lead)
+    tl.store(table_ptr + stride_table + chunk, tl.minimum(tl.gather(total, k, 0) - offset, BM), mask=lead)
+    tl.store(table_ptr + 2 * stride_table + chunk, key, mask=lead)
 
 
 @triton.jit
