@@ -6,10 +6,11 @@ those weights into the registers of the MMA's A operand (the weights as W^T, the
 through shared memory. Each weight enters the MMA as its codebook word's two fp16 halves on two K rows, against
 the activation doubled, so the tensor cores add the halves: per weight only the state's extraction (two shifts,
 or one byte permute) and the codebook's IMAD and LOP3 remain, shared between the integer and FMA pipes. A chunk
-carries up to ROWS rows of one expert (the MMA's N), each decoded weight serving all of them; a mul1 weight
-enters beside a zero (codewords). 3INST, MCG and mul1 at K = 1, 2, 3, 4, mul1 at 1.5, 2.5, 3.5 (W = 8 K words a
-tile, bits a lane); K > 4 takes triton_gemv or triton_exl3. decode_weights decodes the same way for the dense
-path (experts with many rows, decoded once to fp16).
+carries up to ROWS rows of one expert (the MMA's N), each decoded weight serving all of them; mul1 enters as
+its byte-sum word h beside a zero, the codebook's fp16 FMA left to the epilogue (codewords). 3INST, MCG and
+mul1 at K = 1, 2, 3, 4, mul1 at 1.5, 2.5, 3.5 (W = 8 K words a tile, bits a lane); K > 4 takes triton_gemv or
+triton_exl3. decode_weights decodes the same way for the dense path (experts with many rows, decoded once to
+fp16).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
