@@ -114,6 +114,58 @@ def test_tiled_swapped_operands_interpreter():
     run_interpreted("\n".join(["ops.SWAP_AB = {'decode', 'prefill'}", *calls]))
 
 
+def emulate_mma() -> list:
+    """Give ops' grouped_mma launches (Gluon, GPUs only) to a torch model of the kernel's contract, so that what
+    feeds and finishes them (doubled int32 activations, their block sums, the epilogues) runs under the
+    interpreter: each chunk's rows (the low fp16 half of each int32) times its expert's weights, all in K split
+    0, the other splits zero; at mul1 the weights are the codebook's h = 1024 + byte sum before its fp16 FMA,
+    as the kernel leaves that to the epilogue (triton_exl3.mul1_affine). Returns the list of emulated launches'
+    codebooks."""
+    from xmoe.format.trellis import tiles_to_matrix, unpack_states
+    gemm, calls = ops._gemm, []
+
+    def inner(w, e):
+        t = w.trellis[e] if w.experts else w.trellis
+        if w.codebook != "mul1":
+            return decode_inner(t, w.K, w.codebook).float()
+        states = tiles_to_matrix(unpack_states(t.reshape(-1, t.shape[-1]), w.K), w.k, w.n).long()
+        x = (states * 0x83DCD12D) & 0xFFFFFFFF
+        return (1024 + sum((x >> 8 * i) & 0xFF for i in range(4))).float()
+
+    def mma_gemm(a0, a1, chunks, w, p0, p1, second, launch):
+        if not launch.mma:
+            return gemm(a0, a1, chunks, w, p0, p1, second, launch)
+        calls.append(w.codebook)
+        pos, length, expert, count, _ = chunks
+        for a, layer, p in ((a0, w, p0), (a1, second, p1)):
+            if layer is None:
+                continue
+            x = (a & 0xFFFF).to(torch.int16).view(torch.float16).float()
+            p.zero_()
+            for c in range(int(count)):
+                rows = slice(int(pos[c]), int(pos[c]) + int(length[c]))
+                p[0, rows] = x[rows] @ inner(layer, int(expert[c]))
+
+    ops.mma_refusal = lambda w, device: None
+    ops._gemm = mma_gemm
+    return calls
+
+
+def test_mma_epilogues_interpreter():
+    """Dense layers and MoE calls as they take grouped_mma (emulate_mma): at mul1 the rotations write the rows'
+    block sums and the epilogues apply the codebook's FMA to the products (K = 2, 3, 2.5); at MCG they do not."""
+    pytest.importorskip("triton")
+    moe = [dict(M=7, E=8, hidden=200, inter=160, top_k=3, K=2.5, codebook="mul1", skew=True),
+           dict(M=1, E=8, hidden=128, inter=128, top_k=2, K=3, codebook="mul1", skew=False, K_down=2),
+           dict(M=20, E=16, hidden=128, inter=256, top_k=2, K=2, codebook="mul1", skew=False, limit=0.7),
+           dict(M=6, E=16, hidden=128, inter=128, top_k=2, K=2, codebook="mul1", skew=True, ep=True),
+           dict(M=20, E=16, hidden=128, inter=256, top_k=2, K=2, codebook="mcg", skew=True)]
+    linear = [(5, 256, 384, 2, "mul1", True), (1, 200, 256, 3, "mul1", False), (8, 256, 128, 2, "mcg", False)]
+    run_interpreted("\n".join(["calls = emulate_mma()", *(f"check_linear(*{c}, 'cpu')" for c in linear),
+                               *(f"check_moe(**{c}, device='cpu')" for c in moe),
+                               "assert calls.count('mul1') == 10 and calls.count('mcg') == 3, calls"]))
+
+
 def test_gemv_interpreter():
     """grouped_gemv (chunks of up to 2 rows, CUDA cores) on every case it can take, every power-of-two K, then
     with chunks of 2 and of 1 row at a second block shape (BK 32, BN 32, 2 warps)."""

@@ -6,10 +6,11 @@ those weights into the registers of the MMA's A operand (the weights as W^T, the
 through shared memory. Each weight enters the MMA as its codebook word's two fp16 halves on two K rows, against
 the activation doubled, so the tensor cores add the halves: per weight only the state's extraction (two shifts,
 or one byte permute) and the codebook's IMAD and LOP3 remain, shared between the integer and FMA pipes. A chunk
-carries up to ROWS rows of one expert (the MMA's N), each decoded weight serving all of them; a mul1 weight
-enters beside a zero (codewords). 3INST, MCG and mul1 at K = 1, 2, 3, 4, mul1 at 1.5, 2.5, 3.5 (W = 8 K words a
-tile, bits a lane); K > 4 takes triton_gemv or triton_exl3. decode_weights decodes the same way for the dense
-path (experts with many rows, decoded once to fp16).
+carries up to ROWS rows of one expert (the MMA's N), each decoded weight serving all of them; mul1 enters as
+its byte-sum word h beside a zero, the codebook's fp16 FMA left to the epilogue (codewords). 3INST, MCG and
+mul1 at K = 1, 2, 3, 4, mul1 at 1.5, 2.5, 3.5 (W = 8 K words a tile, bits a lane); K > 4 takes triton_gemv or
+triton_exl3. decode_weights decodes the same way for the dense path (experts with many rows, decoded once to
+fp16).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -131,11 +132,17 @@ def lane_words(lane, q, W: gl.constexpr):
 
 
 @gluon.jit
-def codewords(state, mask, CB: gl.constexpr):
+def codewords(state, mask, CB: gl.constexpr, AFFINE: gl.constexpr):
     """Each state's codebook word, a pair of fp16 halves whose sum is its weight: for 3INST (CB 0) and MCG (CB 1)
     the format's halves; for mul1 (CB 2) the weight itself and a zero, by the format's arithmetic: dp4a gives the
-    fp16 bits of 1024 + the product's byte sum, one fp16 FMA (k_inv 0x1EEE, k_bias 0xC931) the weight."""
+    fp16 bits of h = 1024 + the product's byte sum, one fp16 FMA (k_inv 0x1EEE, k_bias 0xC931) the weight. With
+    AFFINE false, mul1's word is h and a zero: the weight is h k_inv + k_bias, which the caller applies to the
+    products (triton_exl3.mul1_affine)."""
     if CB == 2:
+        if not AFFINE:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 m, z; mov.b32 m, 0x01010101; mov.b32 z, 0x6400; dp4a.u32.u32 $0, $1, m, z; }", "=r,r",
+                [state * 0x83DCD12D], dtype=gl.uint32, is_pure=True, pack=1)
         return gl.inline_asm_elementwise(
             "{ .reg .b32 m, z, h, k, c; mov.b32 m, 0x01010101; mov.b32 z, 0x6400; dp4a.u32.u32 h, $1, m, z; "
             "mov.b32 k, 0x1EEE1EEE; mov.b32 c, 0x0000C931; fma.rn.f16x2 $0, h, k, c; }", "=r,r",
@@ -150,7 +157,7 @@ def codewords(state, mask, CB: gl.constexpr):
 @gluon.jit
 def decode_operand(state, mask, CB: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, A: gl.constexpr):
     """The (BN, 2 BK) fp16 A operand of a block from its states: each weight's codebook word split in halves."""
-    low, high = halves(gl.reshape(codewords(state, mask, CB), [BN, BK]))
+    low, high = halves(gl.reshape(codewords(state, mask, CB, False), [BN, BK]))
     return gl.convert_layout(gl.reshape(gl.join(low, high), [BN, 2 * BK]), A, assert_trivial=True)
 
 
@@ -272,6 +279,6 @@ def decode_weights(t_ptr, expert_ptr, out_ptr, k, n, stride_te, mask, W: gl.cons
     first = gl.program_id(0) * STEPS
     for step in range(first, gl.minimum(k // BK, first + STEPS)):
         lo = gl.load(t_ptr + e * stride_te + step * stride_step + lo_off).to(gl.uint32, bitcast=True)
-        low, high = halves(codewords(lane_states(lo, src, shift, lane, t, q, W), mask, CB))
+        low, high = halves(codewords(lane_states(lo, src, shift, lane, t, q, W), mask, CB, True))
         w = gl.reshape(gl.permute(low + high, TILE_ORDER.value), [BK, BN])
         gl.store(out + step * BK * n, gl.convert_layout(w, ROWS))

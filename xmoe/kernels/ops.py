@@ -209,16 +209,19 @@ def epilogue_launch(rows: int) -> tuple:
 
 def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int, launch: Launch):
     """Rotated inputs (P, k): H_128 (x[rows[pos]] * suh[expert[pos]]), and the same with second's suh, in
-    _act_dtype."""
+    _act_dtype; and their block sums (_sums)."""
     from .triton_exl3 import rotate_rows
     a0 = _act_buffer(P, w.k, launch, x.device)
     a1 = _act_buffer(P, w.k, launch, x.device) if second is not None else a0
+    s0 = _sums(P, w.k, w, launch, x.device)
+    s1 = _sums(P, w.k, w, launch, x.device) if second is not None else s0
     stride_se = w.suh.shape[-1] if w.experts else 0
     BM, warps = epilogue_launch(P)
-    rotate_rows[(-(-P // BM), w.k // 128)](x, x.stride(0), rows, expert, w.suh, (second or w).suh, a0, a1,
+    rotate_rows[(-(-P // BM), w.k // 128)](x, x.stride(0), rows, expert, w.suh, (second or w).suh, a0, a1, s0, s1,
                                            _had(str(x.device)), P, w.k, max(w.experts, 1), stride_se,
-                                           DUAL=second is not None, BM=BM, num_warps=warps)
-    return a0, a1
+                                           DUAL=second is not None, SUMS=_affine(w, launch), BM=BM,
+                                           num_warps=warps)
+    return a0, a1, s0, s1
 
 
 def _act_dtype(launch: Launch) -> torch.dtype:
@@ -232,6 +235,18 @@ def _act_buffer(P: int, cols: int, launch: Launch, device: torch.device) -> torc
     chunk's BM rows whole (unmasked loads) and stores only those it has."""
     extra = launch.BM if launch.mma else 0
     return torch.empty(P + extra, cols, device=device, dtype=_act_dtype(launch))[:P]
+
+
+def _affine(w: Exl3Weight, launch: Launch) -> bool:
+    """Whether the launch's products need triton_exl3.mul1_affine: grouped_mma at mul1 leaves out the codebook's
+    fp16 FMA (a sixth of its instructions a weight), which the epilogue applies to the sums."""
+    return launch.mma and w.codebook == "mul1"
+
+
+def _sums(P: int, cols: int, w: Exl3Weight, launch: Launch, device: torch.device) -> torch.Tensor:
+    """The block sums of (P, cols) activations that _affine's epilogues read (fp32, one per row and 128 columns);
+    one unread element where none are needed."""
+    return torch.empty((P, cols // 128) if _affine(w, launch) else (1,), device=device, dtype=torch.float32)
 
 
 def _maxnreg(registers: int) -> dict:
@@ -483,7 +498,7 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     launch = plan(-(-M // 16), w.n, w.k, M, _sms(x.device), w.K, mma=mma_refusal(w, x.device) is None)
     dev = x.device
     chunks, rows, zeros = _row_chunks(M, launch.BM, dev)
-    a0, _ = _rotate(a, rows, zeros, w, None, M, launch)
+    a0, _, sums, _ = _rotate(a, rows, zeros, w, None, M, launch)
     if _dense_call(M, launch, dev):  # decoded once for all rows
         part = torch.empty(1, M, w.n, device=dev, dtype=torch.float32)
         _mm32(a0, decode_experts(w, zeros[:1])[0], part[0])
@@ -492,8 +507,9 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
         _gemm(a0, a0, chunks, w, part, None, None, launch)
     out = torch.empty(M, w.out_features, device=dev, dtype=x.dtype)
     BM, warps = epilogue_launch(M)
-    linear_epilogue[(-(-M // BM), w.n // 128)](part, w.svh, bias if bias is not None else w.svh, out, _had(str(dev)),
-                                               M, w.n, w.out_features, HAS_BIAS=bias is not None,
+    linear_epilogue[(-(-M // BM), w.n // 128)](part, sums, w.svh, bias if bias is not None else w.svh, out,
+                                               _had(str(dev)), M, w.n, w.out_features, w.k // 128,
+                                               HAS_BIAS=bias is not None, AFFINE=_affine(w, launch),
                                                SPLIT=part.shape[0], BM=BM, num_warps=warps)
     return out.reshape(*x.shape[:-1], w.out_features)
 
@@ -530,7 +546,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if _dense_call(M, up_launch, dev):
         found = _find_hot(r, P, E, _dense_tile(dev)[0], _dense_rows((g, experts.up, d), dev), dev)
     # the GPU rotates while the host waits for the counts of the dense experts
-    a0, a1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
+    a0, a1, s0, s1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
     hot = _hot_experts(found) if found else None
     grouped = not (hot and hot.every)  # some experts are left to the grouped kernels
     chunks = _without(r.chunks, hot, E) if hot and grouped else r.chunks
@@ -539,26 +555,28 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if grouped:
         _gemm(a0, a1, chunks, g, pg, pu, experts.up, up_launch)
     _dense_products(hot, a0, a1, g, experts.up, pg, pu)
-    mid = _act_buffer(P, g.n, down_launch, dev)
+    mid, mid_sums = _act_buffer(P, g.n, down_launch, dev), _sums(P, g.n, d, down_launch, dev)
     BM, warps = epilogue_launch(P)
-    act_epilogue[(-(-P // BM), g.n // 128)](pg, pu, r.sorted_expert, g.svh, experts.up.svh, d.suh, _had(str(dev)),
-                                            mid, P, g.n, experts.intermediate, E, float(limit or 0.0),
-                                            HAS_LIMIT=limit is not None, SPLIT=up_launch.split, BM=BM,
-                                            num_warps=warps)
+    act_epilogue[(-(-P // BM), g.n // 128)](pg, pu, s0, s1, r.sorted_expert, g.svh, experts.up.svh, d.suh,
+                                            _had(str(dev)), mid, mid_sums, P, g.n, experts.intermediate, E,
+                                            float(limit or 0.0), g.k // 128, HAS_LIMIT=limit is not None,
+                                            AFFINE=_affine(g, up_launch), SUMS=_affine(d, down_launch),
+                                            SPLIT=up_launch.split, BM=BM, num_warps=warps)
     pd = torch.empty(down_launch.split, P, d.n, device=dev, dtype=torch.float32)
     if grouped:
         _gemm(mid, mid, chunks, d, pd, None, None, down_launch)
     _dense_products(hot, mid, None, d, None, pd, None)
     out = torch.empty(M, experts.hidden, device=dev, dtype=x.dtype)
-    args = (pd, r.slot_pos, r.slot_expert, topk_weights.reshape(-1), d.svh, _had(str(dev)), out, M, P, d.n,
-            experts.hidden)
+    args = (pd, mid_sums, r.slot_pos, r.slot_expert, topk_weights.reshape(-1), d.svh, _had(str(dev)), out, M, P,
+            d.n, experts.hidden, d.k // 128)
+    affine = _affine(d, down_launch)
     if M <= COMBINE_STACKED:
         TP = 1 << (top_k - 1).bit_length()
         BT = max(1, 16 // TP)  # tokens whose slots make one product of 16 rows
-        combine_stacked[(-(-M // BT), d.n // 128)](*args, TOPK=top_k, TP=TP, SPLIT=down_launch.split, BT=BT,
-                                                   num_warps=epilogue_launch(M)[1])
+        combine_stacked[(-(-M // BT), d.n // 128)](*args, TOPK=top_k, AFFINE=affine, TP=TP,
+                                                   SPLIT=down_launch.split, BT=BT, num_warps=epilogue_launch(M)[1])
     else:
         BM, warps = epilogue_launch(M)
-        combine_epilogue[(-(-M // BM), d.n // 128)](*args, TOPK=top_k, SPLIT=down_launch.split, BM=BM,
-                                                    num_warps=warps)
+        combine_epilogue[(-(-M // BM), d.n // 128)](*args, TOPK=top_k, AFFINE=affine, SPLIT=down_launch.split,
+                                                    BM=BM, num_warps=warps)
     return out

@@ -19,6 +19,9 @@ decode_weights writes its weights out once, for a dense matmul.
 import triton
 import triton.language as tl
 
+MUL1_K_INV: tl.constexpr = tl.constexpr(0.00676727294921875)  # mul1's fp16 FMA: k_inv 0x1EEE, k_bias 0xC931
+MUL1_K_BIAS: tl.constexpr = tl.constexpr(-10.3828125)
+
 
 @triton.jit
 def codebook_halves(state, mask, CB: tl.constexpr):
@@ -165,26 +168,54 @@ def as_operand(y, dtype: tl.constexpr):
 
 
 @triton.jit
-def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr, out1_ptr, had_ptr, P, k, E,
-                stride_se, DUAL: tl.constexpr, BM: tl.constexpr):
+def store_operand(y, out_ptr, sums_ptr, pos, live, width, SUMS: tl.constexpr):
+    """Block (pos, 128 columns, program axis 1) of y stored in a (rows, width) operand as the next GEMM reads it
+    (as_operand); SUMS: also each row's sum of the stored fp16 values in sums[pos, block], which mul1_affine
+    reads."""
+    block = tl.program_id(1)
+    cols = block * 128 + tl.arange(0, 128)
+    tl.store(out_ptr + pos.to(tl.int64)[:, None] * width + cols[None, :], as_operand(y, out_ptr.dtype.element_ty),
+             mask=live[:, None])
+    if SUMS:
+        total = tl.sum(y.to(tl.float16).to(tl.float32), axis=1)
+        tl.store(sums_ptr + pos.to(tl.int64) * (width // 128) + block, total, mask=live)
+
+
+@triton.jit
+def mul1_affine(acc, sums_ptr, pos, live, KB):
+    """grouped_mma's mul1 products over a whole K (sums of h x, h = 1024 + a state's byte sum, the word before
+    the format's fp16 FMA) made the weights' products: weight = h k_inv + k_bias, so sum w x = k_inv sum h x +
+    k_bias sum x, sum x from the row's KB block sums (store_operand). Unrounded, the weights differ from the
+    format's fp16 ones by that rounding."""
+    total = tl.zeros(pos.shape, tl.float32)
+    for b in range(0, KB, 16):
+        blocks = b + tl.arange(0, 16)
+        total += tl.sum(tl.load(sums_ptr + pos.to(tl.int64)[:, None] * KB + blocks[None, :],
+                                mask=live[:, None] & (blocks < KB)[None, :], other=0.0), axis=1)
+    return acc * MUL1_K_INV + MUL1_K_BIAS * total[:, None]
+
+
+@triton.jit
+def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr, out1_ptr, sums0_ptr, sums1_ptr,
+                had_ptr, P, k, E, stride_se, DUAL: tl.constexpr, SUMS: tl.constexpr, BM: tl.constexpr):
     """out[pos] = H_128 (x[rows[pos]] * suh[expert[pos]]) in out's dtype, per 128-column block: the rotated
-    input of the grouped GEMM (DUAL: a second suh, for up beside gate). Other ranks' experts' positions are
-    skipped."""
+    input of the grouped GEMM (DUAL: a second suh, for up beside gate; SUMS: and the rows' block sums,
+    store_operand). Other ranks' experts' positions are skipped."""
     pos = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     e = tl.load(expert_ptr + pos, mask=pos < P, other=E).to(tl.int64)
-    mask = ((pos < P) & (e < E))[:, None]
+    live = (pos < P) & (e < E)
+    mask = live[:, None]
     row = tl.load(rows_ptr + pos, mask=pos < P, other=0).to(tl.int64)
     x = tl.load(x_ptr + row[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     had = load_had(had_ptr)
     vec = e[:, None] * stride_se + cols[None, :]
-    out = pos.to(tl.int64)[:, None] * k + cols[None, :]
     dtype: tl.constexpr = out0_ptr.dtype.element_ty
     y = rotate_out(x * tl.load(s0_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, dtype)
-    tl.store(out0_ptr + out, as_operand(y, dtype), mask=mask)
+    store_operand(y, out0_ptr, sums0_ptr, pos, live, k, SUMS)
     if DUAL:
         y = rotate_out(x * tl.load(s1_ptr + vec, mask=mask, other=0.0).to(tl.float32), had, dtype)
-        tl.store(out1_ptr + out, as_operand(y, dtype), mask=mask)
+        store_operand(y, out1_ptr, sums1_ptr, pos, live, k, SUMS)
 
 
 @triton.jit
@@ -290,14 +321,25 @@ def _split_sum(p_ptr, pos, cols, mask, P, n, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def linear_epilogue(p_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, n_out,
-                    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
-    """out[pos, :n_out] = (H_128 sum_split p[:, pos]) * svh (+ bias), in out's dtype."""
+def _products(p_ptr, sums_ptr, pos, cols, live, P, n, KB, SPLIT: tl.constexpr, AFFINE: tl.constexpr):
+    """The GEMM's products at positions pos: the sum of its K splits, through mul1_affine where AFFINE (grouped_mma
+    at mul1)."""
+    acc = _split_sum(p_ptr, pos, cols, live[:, None], P, n, SPLIT)
+    if AFFINE:
+        acc = mul1_affine(acc, sums_ptr, pos, live, KB)
+    return acc
+
+
+@triton.jit
+def linear_epilogue(p_ptr, sums_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, n_out, KB,
+                    HAS_BIAS: tl.constexpr, AFFINE: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
+    """out[pos, :n_out] = (H_128 sum_split p[:, pos]) * svh (+ bias), in out's dtype (AFFINE: _products)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
     mask = (rows < P)[:, None]
-    y = rotate_out(_split_sum(p_ptr, rows, cols, mask, P, n, SPLIT), had, out_ptr.dtype.element_ty)
+    y = rotate_out(_products(p_ptr, sums_ptr, rows, cols, rows < P, P, n, KB, SPLIT, AFFINE), had,
+                   out_ptr.dtype.element_ty)
     y = y * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=cols < n_out, other=0.0).to(tl.float32)[None, :]
@@ -306,10 +348,12 @@ def linear_epilogue(p_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, n_out,
 
 
 @triton.jit
-def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, had_ptr, out_ptr,
-                 P, n, n_real, E, limit, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
-    """The middle of a MoE expert, per sorted slot: g, u = H(gate), H(up) scaled by svh; a = SiLU(g) u
-    (SwiGLU-clamped with a limit); out = H(a * suh_down) in out's dtype, the down projection's rotated input."""
+def act_epilogue(pg_ptr, pu_ptr, sums_g_ptr, sums_u_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, had_ptr,
+                 out_ptr, sums_ptr, P, n, n_real, E, limit, KB, HAS_LIMIT: tl.constexpr, AFFINE: tl.constexpr,
+                 SUMS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
+    """The middle of a MoE expert, per sorted slot: g, u = H(gate), H(up) scaled by svh (AFFINE: _products); a =
+    SiLU(g) u (SwiGLU-clamped with a limit); out = H(a * suh_down) in out's dtype, the down projection's rotated
+    input (SUMS: and its block sums)."""
     pos = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
@@ -318,9 +362,9 @@ def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, ha
     mask = live[:, None]
     vec = e[:, None] * n + cols[None, :]
     stored: tl.constexpr = out_ptr.dtype.element_ty
-    g = rotate_out(_split_sum(pg_ptr, pos, cols, mask, P, n, SPLIT), had, stored)
+    g = rotate_out(_products(pg_ptr, sums_g_ptr, pos, cols, live, P, n, KB, SPLIT, AFFINE), had, stored)
     g = g * tl.load(svh_g_ptr + vec, mask=mask, other=0.0).to(tl.float32)
-    u = rotate_out(_split_sum(pu_ptr, pos, cols, mask, P, n, SPLIT), had, stored)
+    u = rotate_out(_products(pu_ptr, sums_u_ptr, pos, cols, live, P, n, KB, SPLIT, AFFINE), had, stored)
     u = u * tl.load(svh_u_ptr + vec, mask=mask, other=0.0).to(tl.float32)
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
@@ -328,15 +372,15 @@ def act_epilogue(pg_ptr, pu_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, ha
     a = g / (1.0 + tl.exp(-g)) * u
     a = tl.where((cols < n_real)[None, :], a, 0.0)  # padded intermediate columns feed the down projection as 0
     a = a * tl.load(suh_d_ptr + vec, mask=mask, other=0.0).to(tl.float32)
-    a = rotate_out(a, had, stored)
-    tl.store(out_ptr + pos.to(tl.int64)[:, None] * n + cols[None, :], as_operand(a, out_ptr.dtype.element_ty),
-             mask=mask)
+    store_operand(rotate_out(a, had, stored), out_ptr, sums_ptr, pos, live, n, SUMS)
 
 
 @triton.jit
-def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr, had_ptr, out_ptr,
-                     M, P, n, n_out, TOPK: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
-    """out[t] = sum over t's slots j, in order, of w[t, j] * H(down partials of the slot) * svh_down[e]."""
+def combine_epilogue(pd_ptr, sums_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr, had_ptr, out_ptr,
+                     M, P, n, n_out, KB, TOPK: tl.constexpr, AFFINE: tl.constexpr, SPLIT: tl.constexpr,
+                     BM: tl.constexpr):
+    """out[t] = sum over t's slots j, in order, of w[t, j] * H(down products of the slot) * svh_down[e]
+    (AFFINE: _products)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
@@ -347,7 +391,8 @@ def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr,
         live = (rows < M) & (e >= 0)
         pos = tl.load(slot_pos_ptr + slot, mask=live, other=0)
         w = tl.load(weight_ptr + slot, mask=live, other=0.0).to(tl.float32)
-        y = rotate_out(_split_sum(pd_ptr, pos, cols, live[:, None], P, n, SPLIT), had, out_ptr.dtype.element_ty)
+        y = rotate_out(_products(pd_ptr, sums_ptr, pos, cols, live, P, n, KB, SPLIT, AFFINE), had,
+                       out_ptr.dtype.element_ty)
         y = y * tl.load(svh_ptr + e[:, None] * n + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         acc += y * w[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * n_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -355,8 +400,9 @@ def combine_epilogue(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr,
 
 
 @triton.jit
-def combine_stacked(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr, had_ptr, out_ptr, M, P, n, n_out,
-                    TOPK: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr, BT: tl.constexpr):
+def combine_stacked(pd_ptr, sums_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr, had_ptr, out_ptr, M, P, n,
+                    n_out, KB, TOPK: tl.constexpr, AFFINE: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
+                    BT: tl.constexpr):
     """combine_epilogue for a few tokens: BT tokens a program, their slots (TOPK of them, padded to TP, a power of
     two) stacked into the rows of one product, so the call has many small programs instead of a few long ones."""
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
@@ -368,7 +414,8 @@ def combine_stacked(pd_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr, 
     live = e >= 0
     pos = tl.load(slot_pos_ptr + slot, mask=live, other=0)
     w = tl.load(weight_ptr + slot, mask=live, other=0.0).to(tl.float32)
-    x = _split_sum(pd_ptr, tl.reshape(pos, (BT * TP,)), cols, tl.reshape(live, (BT * TP,))[:, None], P, n, SPLIT)
+    x = _products(pd_ptr, sums_ptr, tl.reshape(pos, (BT * TP,)), cols, tl.reshape(live, (BT * TP,)), P, n, KB, SPLIT,
+                  AFFINE)
     y = tl.reshape(rotate_out(x, had, out_ptr.dtype.element_ty), (BT, TP, 128))
     y *= tl.load(svh_ptr + e[:, :, None] * n + cols[None, None, :], mask=live[:, :, None], other=0.0).to(tl.float32)
     out = tl.sum(y * w[:, :, None], axis=1)
