@@ -113,7 +113,7 @@ def gluon_kernels(arch: int, codebook: str) -> None:
                 ("grouped_mma", gluon_mma.grouped_mma, mma_args,
                  dict(W=int(8 * K), CB=CB, DUAL=False, BN=BN, BK=BK, SPLIT=1), ops.MMA_MAXNREG[1]),
                 ("decode_weights", gluon_mma.decode_weights, decode_args,
-                 dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8), 0)):
+                 dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8, MUL1_H=CB == 2), 0)):
             names = [*args, *consts]
             aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in args
                        if a.endswith("_ptr") or a in ("k", "n", "stride_te")}
