@@ -490,9 +490,9 @@ for M, E, top_k, BM, skew, ep in ((1, 8, 2, 1, False, False), (6, 384, 6, 1, Tru
     for x, y in zip(a.chunks[:3], b.chunks[:3]):
         assert torch.equal(x[:count].int(), y[:count].int()), (M, E)
     if b.runs is not None:
-        ends = torch.bincount(a.sorted_expert.long(), minlength=n + 1)[:n].cumsum(0)
-        first = ends - torch.bincount(a.sorted_expert.long(), minlength=n + 1)[:n]
-        assert torch.equal(b.runs.long(), torch.stack([first, ends])), (M, E)
+        counts = torch.bincount(a.sorted_expert.long(), minlength=n + 1)[:n]
+        ends = counts.cumsum(0)
+        assert torch.equal(b.runs.long(), torch.stack([ends - counts, ends])), (M, E)
 """)
 
 

@@ -90,12 +90,12 @@ def _route_counted(topk_ids, experts, BM, expert_map) -> Routing:
     out = torch.empty(4, P, dtype=torch.int32, device=dev)  # rows, sorted_expert, slot_pos, slot_expert
     table = torch.empty(3, bound + 1, dtype=torch.int32, device=dev)
     runs = torch.empty(2 * experts + 1, dtype=torch.int32, device=dev)  # starts, ends, the chunk count
+    count = runs[2 * experts:]
     has_map = expert_map is not None
     route_counts[(blocks,)](ids, emap, hist, P, experts, HAS_MAP=has_map, BP=BP, EB=EB, num_warps=4)
-    route_scatter[(blocks,)](ids, emap, hist, out[0], out[1], out[2], out[3], table, runs, runs[2 * experts:], P,
+    route_scatter[(blocks,)](ids, emap, hist, out[0], out[1], out[2], out[3], table, runs, count, P,
                              experts, blocks, table.stride(0), TOPK=topk_ids.shape[1], BM=BM, HAS_MAP=has_map,
                              BP=BP, EB=EB, num_warps=8)
-    count = runs[2 * experts:]
     return Routing(out[0], out[1], out[2], out[3], (table[0], table[1], table[2], count, bound),
                    runs[:2 * experts].view(2, experts))
 

@@ -357,8 +357,9 @@ def linear_epilogue(p_ptr, sums_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, 
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
-    mask = (rows < P)[:, None]
-    y = rotate_out(_products(p_ptr, sums_ptr, rows, cols, rows < P, P, n, KB, SPLIT, MUL1_H), had,
+    live = rows < P
+    mask = live[:, None]
+    y = rotate_out(_products(p_ptr, sums_ptr, rows, cols, live, P, n, KB, SPLIT, MUL1_H), had,
                    out_ptr.dtype.element_ty)
     y = y * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
     if HAS_BIAS:

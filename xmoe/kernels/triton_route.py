@@ -6,6 +6,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _slot_keys(ids_ptr, emap_ptr, p, live, E, HAS_MAP: tl.constexpr):
+    """The local expert of slots p (E for other ranks' slots, E + 1 past the end: those sort last)."""
+    e = tl.load(ids_ptr + p, mask=live, other=0).to(tl.int32)
+    if HAS_MAP:
+        e = tl.load(emap_ptr + e, mask=live, other=-1).to(tl.int32)
+    return tl.where(live, tl.where(e >= 0, e, E), E + 1)
+
+
+@triton.jit
 def route_small(ids_ptr, emap_ptr, rows_ptr, sorted_expert_ptr, slot_pos_ptr, slot_expert_ptr, table_ptr,
                 count_ptr, P, E, stride_table, TOPK: tl.constexpr, BM: tl.constexpr, PB: tl.constexpr,
                 HAS_MAP: tl.constexpr):
@@ -13,10 +22,7 @@ def route_small(ids_ptr, emap_ptr, rows_ptr, sorted_expert_ptr, slot_pos_ptr, sl
     in i; runs of one expert are cut every BM positions into chunks (pos, len, expert) in sorted order."""
     i = tl.arange(0, PB)
     valid = i < P
-    e = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
-    if HAS_MAP:
-        e = tl.load(emap_ptr + e, mask=valid, other=-1).to(tl.int32)
-    key = tl.where(valid, tl.where(e >= 0, e, E), E + 1)  # padding sorts last
+    key = _slot_keys(ids_ptr, emap_ptr, i, valid, E, HAS_MAP)
     same = key[None, :] == key[:, None]  # [i, j]
     earlier = i[None, :] < i[:, None]
     lt = tl.sum((key[None, :] < key[:, None]).to(tl.int32), axis=1)
@@ -34,15 +40,6 @@ def route_small(ids_ptr, emap_ptr, rows_ptr, sorted_expert_ptr, slot_pos_ptr, sl
     tl.store(table_ptr + stride_table + chunk, tl.minimum(run - before, BM), mask=leader)
     tl.store(table_ptr + 2 * stride_table + chunk, key, mask=leader)
     tl.store(count_ptr, tl.sum(leader.to(tl.int32), axis=0))
-
-
-@triton.jit
-def _slot_keys(ids_ptr, emap_ptr, p, live, E, HAS_MAP: tl.constexpr):
-    """The local expert of slots p (E for other ranks' slots, E + 1 past the end: those sort last)."""
-    e = tl.load(ids_ptr + p, mask=live, other=0).to(tl.int32)
-    if HAS_MAP:
-        e = tl.load(emap_ptr + e, mask=live, other=-1).to(tl.int32)
-    return tl.where(live, tl.where(e >= 0, e, E), E + 1)
 
 
 @triton.jit
@@ -85,12 +82,12 @@ def route_scatter(ids_ptr, emap_ptr, hist_ptr, rows_ptr, sorted_expert_ptr, slot
     key = order // BP
     slot = b * BP + order % BP
     live = key <= E
-    pos = tl.gather(base, tl.minimum(key, E), 0) + i
+    k = tl.minimum(key, E)  # a key to gather by for every slot (E + 1, past the end, is masked)
+    pos = tl.gather(base, k, 0) + i
     tl.store(rows_ptr + pos, slot // TOPK, mask=live)
     tl.store(sorted_expert_ptr + pos, key, mask=live)
     tl.store(slot_pos_ptr + slot, pos, mask=live)
     tl.store(slot_expert_ptr + slot, tl.where(key < E, key, -1), mask=live)
-    k = tl.minimum(key, E)
     offset = pos - tl.gather(start, k, 0)
     lead = live & (key < E) & (offset % BM == 0)
     chunk = tl.gather(first, k, 0) + offset // BM
