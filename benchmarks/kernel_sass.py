@@ -5,7 +5,7 @@ which decides how Triton vectorises the loads. With --mma: the same for gluon_mm
 ops.MMA_MAXNREG) and decode_weights at K = 1-4 (and 1.5, 2.5, 3.5 for mul1). With --viterbi: the fp16-pair
 Viterbi's step loop at K = 2, 3, 4, per candidate (65,536 a step).
 
-    python benchmarks/kernel_sass.py [--arch 90] [--mma [--codebook mcg] | --viterbi]
+    python benchmarks/kernel_sass.py [--arch 90] [--codebook mcg] [--mma | --viterbi]
 """
 import argparse
 import collections
@@ -49,7 +49,7 @@ def compile_variant(arch, BM, BN, BK, warps, stages, dual, tiled, swap=False, ge
         fn, args = triton_gemv.grouped_gemv, GEMV_ARGS
     else:
         consts = dict(W=8 * K, CB=CB, DUAL=dual, BM=BM, BN=BN, BK=BK, SPLIT=1, TILED=tiled,
-                      KLOG=K.bit_length() - 1, SWAP=swap)
+                      KLOG=K.bit_length() - 1, SWAP=swap, ASM=True)
         fn, args = triton_exl3.grouped_gemm, ARGS
     sig = dict(args, **{c: "constexpr" for c in consts})
     aligned = {(i,): [["tt.divisibility", 16]] for i, (name, _) in enumerate(args)  # as at V4.1 shapes
@@ -113,7 +113,7 @@ def gluon_kernels(arch: int, codebook: str) -> None:
                 ("grouped_mma", gluon_mma.grouped_mma, mma_args,
                  dict(W=int(8 * K), CB=CB, DUAL=False, BN=BN, BK=BK, SPLIT=1), ops.MMA_MAXNREG[1]),
                 ("decode_weights", gluon_mma.decode_weights, decode_args,
-                 dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8), 0)):
+                 dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8, MUL1_H=CB == 2), 0)):
             names = [*args, *consts]
             aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in args
                        if a.endswith("_ptr") or a in ("k", "n", "stride_te")}
@@ -135,15 +135,16 @@ def main():
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--viterbi", action="store_true", help="the fp16-pair Viterbi instead of the GEMM kernels")
     p.add_argument("--mma", action="store_true", help="gluon_mma's kernels instead of triton_exl3's")
-    p.add_argument("--codebook", choices=("3inst", "mcg", "mul1"), default="mcg", help="--mma: the codebook")
+    p.add_argument("--codebook", choices=("3inst", "mcg", "mul1"), default="mcg")
     args = p.parse_args()
     if args.viterbi:
         return viterbi(args.arch)
     if args.mma:
         return gluon_kernels(args.arch, args.codebook)
-    print(f"grouped_gemm, K=2 MCG, sm_{args.arch}, Triton {triton.__version__}")
+    print(f"grouped_gemm, K=2 {args.codebook}, sm_{args.arch}, Triton {triton.__version__}")
     for name, BM, BN, BK, warps, stages, dual, tiled, swap, gemv in variants():
-        kernel = compile_variant(args.arch, BM, BN, BK, warps, stages, dual, tiled, swap, gemv)
+        kernel = compile_variant(args.arch, BM, BN, BK, warps, stages, dual, tiled, swap, gemv,
+                                 CB=ops.CODEBOOK_ID[args.codebook])
         cubin = kernel.asm["cubin"]
         usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
         loops = loop_ops(tool("cuobjdump", cubin, "-sass"))

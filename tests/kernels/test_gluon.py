@@ -151,13 +151,17 @@ def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, t
     assert "fma.rn.f16x2" not in ptx, "mul1's fp16 FMA is the epilogue's (triton_exl3.mul1_affine)"
 
 
-@pytest.mark.parametrize("K, CB", [(2, 1), (3, 0), (4, 1), (3, 2), (2.5, 2)])
-def test_decode_weights_compiles(K, CB, tmp_path):
-    """The dense path's decoder (gluon_mma.decode_weights): grouped_mma's lanes, stored in rows of 16 bytes."""
+@pytest.mark.parametrize("K, CB, MUL1_H", [(2, 1, False), (3, 0, False), (4, 1, False), (3, 2, False), (2.5, 2, True),
+                                           (2, 2, True)])
+def test_decode_weights_compiles(K, CB, MUL1_H, tmp_path):
+    """The dense path's decoder (gluon_mma.decode_weights): grouped_mma's lanes, stored in rows of 16 bytes; at
+    mul1 with the codebook's fp16 FMA, or without it (MUL1_H, as the GEMMs take the weights)."""
     args = {"t_ptr": "*i32", "expert_ptr": "*i32", "out_ptr": "*fp16", "k": "i32", "n": "i32", "stride_te": "i32",
             "mask": "i32"}
-    kernel = compile_gluon(decode_weights, args, dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8), 90, num_warps=4)
+    kernel = compile_gluon(decode_weights, args, dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8, MUL1_H=MUL1_H), 90,
+                           num_warps=4)
     usage = resources(kernel.asm["cubin"], tmp_path)
     assert usage["STACK"] == usage["LOCAL"] == 0, usage
     ptx = kernel.asm["ptx"]
     assert "shfl.sync.idx.b32" in ptx and "st.global.v4.b32" in ptx and "st.global.b16" not in ptx, "16-byte stores"
+    assert ("fma.rn.f16x2" in ptx) == (CB == 2 and not MUL1_H), "mul1's fp16 FMA where the weights are the format's"

@@ -114,23 +114,28 @@ def test_tiled_swapped_operands_interpreter():
     run_interpreted("\n".join(["ops.SWAP_AB = {'decode', 'prefill'}", *calls]))
 
 
+def mul1_h(w, e: int) -> torch.Tensor:
+    """(k, n) fp32: mul1's h = 1024 + the byte sum of state x 0x83DCD12D for each weight of expert e (or of a
+    single layer), the value the GEMM kernels multiply before the epilogue applies the codebook's FMA."""
+    from xmoe.format.trellis import tiles_to_matrix, unpack_states
+    t = (w.trellis[e] if w.experts else w.trellis).cpu()
+    states = tiles_to_matrix(unpack_states(t.reshape(-1, t.shape[-1]), w.K), w.k, w.n).long()
+    x = (states * 0x83DCD12D) & 0xFFFFFFFF
+    return (1024 + sum((x >> 8 * i) & 0xFF for i in range(4))).float()
+
+
 def emulate_mma() -> list:
     """Give ops' grouped_mma launches (Gluon, GPUs only) to a torch model of the kernel's contract, so that what
     feeds and finishes them (doubled int32 activations, their block sums, the epilogues) runs under the
     interpreter: each chunk's rows (the low fp16 half of each int32) times its expert's weights, all in K split
-    0, the other splits zero; at mul1 the weights are the codebook's h = 1024 + byte sum before its fp16 FMA,
-    as the kernel leaves that to the epilogue (triton_exl3.mul1_affine). Returns the list of emulated launches'
-    codebooks."""
-    from xmoe.format.trellis import tiles_to_matrix, unpack_states
+    0, the other splits zero; at mul1 the weights are h (mul1_h), as the kernel leaves the codebook's FMA to the
+    epilogue (triton_exl3.mul1_affine). Returns the list of emulated launches' codebooks."""
     gemm, calls = ops._gemm, []
 
     def inner(w, e):
-        t = w.trellis[e] if w.experts else w.trellis
-        if w.codebook != "mul1":
-            return decode_inner(t, w.K, w.codebook).float()
-        states = tiles_to_matrix(unpack_states(t.reshape(-1, t.shape[-1]), w.K), w.k, w.n).long()
-        x = (states * 0x83DCD12D) & 0xFFFFFFFF
-        return (1024 + sum((x >> 8 * i) & 0xFF for i in range(4))).float()
+        if w.codebook == "mul1":
+            return mul1_h(w, e)
+        return decode_inner(w.trellis[e] if w.experts else w.trellis, w.K, w.codebook).float()
 
     def mma_gemm(a0, a1, chunks, w, p0, p1, second, launch):
         if not launch.mma:
@@ -178,11 +183,17 @@ def test_gemv_interpreter():
 
 
 def check_decode(k, n, K, codebook, device):
-    """decode_experts is bit-exact with the format's decode, for the experts asked for, in that order."""
+    """decode_experts is bit-exact with the format's decode, for the experts asked for, in that order; at mul1
+    with mul1_h, h exactly."""
     w = random_weight(k, n, K, codebook, experts=3, seed=k + n, device=device)
-    got = ops.decode_experts(w, torch.tensor([2, 0], dtype=torch.int32, device=device))
+    ids = torch.tensor([2, 0], dtype=torch.int32, device=device)
+    got = ops.decode_experts(w, ids)
     for i, e in enumerate((2, 0)):
         assert torch.equal(got[i].cpu(), decode_inner(w.trellis[e].cpu(), K, codebook)), f"K={K} {codebook}"
+    if codebook == "mul1":
+        got = ops.decode_experts(w, ids, mul1_h=True)
+        for i, e in enumerate((2, 0)):
+            assert torch.equal(got[i].cpu().float(), mul1_h(w, e)), f"K={K} mul1 h"
 
 
 def test_dense_path_interpreter():

@@ -132,14 +132,14 @@ def lane_words(lane, q, W: gl.constexpr):
 
 
 @gluon.jit
-def codewords(state, mask, CB: gl.constexpr, AFFINE: gl.constexpr):
+def codewords(state, mask, CB: gl.constexpr, MUL1_H: gl.constexpr):
     """Each state's codebook word, a pair of fp16 halves whose sum is its weight: for 3INST (CB 0) and MCG (CB 1)
     the format's halves; for mul1 (CB 2) the weight itself and a zero, by the format's arithmetic: dp4a gives the
     fp16 bits of h = 1024 + the product's byte sum, one fp16 FMA (k_inv 0x1EEE, k_bias 0xC931) the weight. With
-    AFFINE false, mul1's word is h and a zero: the weight is h k_inv + k_bias, which the caller applies to the
+    MUL1_H, mul1's word is h and a zero: the weight is h k_inv + k_bias, which the epilogue applies to the
     products (triton_exl3.mul1_affine)."""
     if CB == 2:
-        if not AFFINE:
+        if MUL1_H:
             return gl.inline_asm_elementwise(
                 "{ .reg .b32 m, z; mov.b32 m, 0x01010101; mov.b32 z, 0x6400; dp4a.u32.u32 $0, $1, m, z; }", "=r,r",
                 [state * 0x83DCD12D], dtype=gl.uint32, is_pure=True, pack=1)
@@ -157,7 +157,7 @@ def codewords(state, mask, CB: gl.constexpr, AFFINE: gl.constexpr):
 @gluon.jit
 def decode_operand(state, mask, CB: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, A: gl.constexpr):
     """The (BN, 2 BK) fp16 A operand of a block from its states: each weight's codebook word split in halves."""
-    low, high = halves(gl.reshape(codewords(state, mask, CB, False), [BN, BK]))
+    low, high = halves(gl.reshape(codewords(state, mask, CB, True), [BN, BK]))
     return gl.convert_layout(gl.reshape(gl.join(low, high), [BN, 2 * BK]), A, assert_trivial=True)
 
 
@@ -256,11 +256,12 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
 
 @gluon.jit
 def decode_weights(t_ptr, expert_ptr, out_ptr, k, n, stride_te, mask, W: gl.constexpr, CB: gl.constexpr,
-                   BN: gl.constexpr, BK: gl.constexpr, STEPS: gl.constexpr):
+                   BN: gl.constexpr, BK: gl.constexpr, STEPS: gl.constexpr, MUL1_H: gl.constexpr):
     """triton_exl3.decode_weights for grouped_mma's cases: out[i] = W-hat of expert expert[i] (program axis 2) as
     (k, n) fp16, STEPS blocks of (BK, BN) a program, each lane decoding its 8 weights of a tile as grouped_mma
-    does (a weight: the sum of its codebook word's halves, in fp16 as the format has it), stored through shared
-    memory as rows of 16 bytes a thread (2-byte stores from the lanes' registers were 2.3x slower on the H200)."""
+    does (a weight: the sum of its codebook word's halves, in fp16 as the format has it; MUL1_H: mul1's h),
+    stored through shared memory as rows of 16 bytes a thread (2-byte stores from the lanes' registers were 2.3x
+    slower on the H200)."""
     warps: gl.constexpr = gl.num_warps()
     TN: gl.constexpr = BN // 16
     TK: gl.constexpr = BK // 16
@@ -279,6 +280,6 @@ def decode_weights(t_ptr, expert_ptr, out_ptr, k, n, stride_te, mask, W: gl.cons
     first = gl.program_id(0) * STEPS
     for step in range(first, gl.minimum(k // BK, first + STEPS)):
         lo = gl.load(t_ptr + e * stride_te + step * stride_step + lo_off).to(gl.uint32, bitcast=True)
-        low, high = halves(codewords(lane_states(lo, src, shift, lane, t, q, W), mask, CB, True))
+        low, high = halves(codewords(lane_states(lo, src, shift, lane, t, q, W), mask, CB, MUL1_H))
         w = gl.reshape(gl.permute(low + high, TILE_ORDER.value), [BK, BN])
         gl.store(out + step * BK * n, gl.convert_layout(w, ROWS))

@@ -213,13 +213,13 @@ def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int, l
     from .triton_exl3 import rotate_rows
     a0 = _act_buffer(P, w.k, launch, x.device)
     a1 = _act_buffer(P, w.k, launch, x.device) if second is not None else a0
-    s0 = _sums(P, w.k, w, launch, x.device)
-    s1 = _sums(P, w.k, w, launch, x.device) if second is not None else s0
+    s0 = _sums(P, w.k, w, x.device)
+    s1 = _sums(P, w.k, w, x.device) if second is not None else s0
     stride_se = w.suh.shape[-1] if w.experts else 0
     BM, warps = epilogue_launch(P)
     rotate_rows[(-(-P // BM), w.k // 128)](x, x.stride(0), rows, expert, w.suh, (second or w).suh, a0, a1, s0, s1,
                                            _had(str(x.device)), P, w.k, max(w.experts, 1), stride_se,
-                                           DUAL=second is not None, SUMS=_affine(w, launch), BM=BM,
+                                           DUAL=second is not None, SUMS=_mul1_h(w), BM=BM,
                                            num_warps=warps)
     return a0, a1, s0, s1
 
@@ -237,16 +237,17 @@ def _act_buffer(P: int, cols: int, launch: Launch, device: torch.device) -> torc
     return torch.empty(P + extra, cols, device=device, dtype=_act_dtype(launch))[:P]
 
 
-def _affine(w: Exl3Weight, launch: Launch) -> bool:
-    """Whether the launch's products need triton_exl3.mul1_affine: grouped_mma at mul1 leaves out the codebook's
-    fp16 FMA (a sixth of its instructions a weight), which the epilogue applies to the sums."""
-    return launch.mma and w.codebook == "mul1"
+def _mul1_h(w: Exl3Weight) -> bool:
+    """Whether w's products come from the GEMM kernels as sums of mul1's h, the value before the codebook's fp16
+    FMA, which the epilogues apply (triton_exl3.mul1_affine): at mul1 all of them leave it out (in grouped_mma a
+    sixth of the instructions a weight, in the tensor-core decoders a byte sum of seven and a conversion)."""
+    return w.codebook == "mul1"
 
 
-def _sums(P: int, cols: int, w: Exl3Weight, launch: Launch, device: torch.device) -> torch.Tensor:
-    """The block sums of (P, cols) activations that _affine's epilogues read (fp32, one per row and 128 columns);
+def _sums(P: int, cols: int, w: Exl3Weight, device: torch.device) -> torch.Tensor:
+    """The block sums of (P, cols) activations that mul1's epilogues read (fp32, one per row and 128 columns);
     one unread element where none are needed."""
-    return torch.empty((P, cols // 128) if _affine(w, launch) else (1,), device=device, dtype=torch.float32)
+    return torch.empty((P, cols // 128) if _mul1_h(w) else (1,), device=device, dtype=torch.float32)
 
 
 def _maxnreg(registers: int) -> dict:
@@ -284,13 +285,14 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
                        p0, p1 if p1 is not None else p0, p0.shape[1], w.k, w.n, stride_te,
                        W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], DUAL=second is not None,
                        BM=launch.BM, BN=launch.BN, BK=launch.BK, SPLIT=launch.split, TILED=tiled,
-                       KLOG=_klog(w.K, tiled), SWAP=tiled and launch.swap,
+                       KLOG=_klog(w.K, tiled), SWAP=tiled and launch.swap, ASM=a0.device.type == "cuda",
                        num_warps=launch.warps, num_stages=launch.stages)
 
 
-def decode_experts(w: Exl3Weight, ids: torch.Tensor) -> torch.Tensor:
+def decode_experts(w: Exl3Weight, ids: torch.Tensor, mul1_h: bool = False) -> torch.Tensor:
     """(len(ids), k, n) fp16: the decoded weights W-hat (before the Hadamards and scales) of experts `ids`
-    (int32, on w's device; [0] for a single layer)."""
+    (int32, on w's device; [0] for a single layer); with mul1_h, mul1's h instead of its weights, as the GEMM
+    kernels take them (_mul1_h)."""
     from .triton_exl3 import decode_weights
     words = w.trellis.view(torch.int32)
     tiled = _tiled(w.K)
@@ -302,12 +304,12 @@ def decode_experts(w: Exl3Weight, ids: torch.Tensor) -> torch.Tensor:
         steps = 8  # blocks of BK rows a program
         decode_lanes[(-(-w.k // (BK * steps)), w.n // BN, len(ids))](
             words, ids, out, w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1],
-            CB=CODEBOOK_ID[w.codebook], BN=BN, BK=BK, STEPS=steps, num_warps=4)
+            CB=CODEBOOK_ID[w.codebook], BN=BN, BK=BK, STEPS=steps, MUL1_H=mul1_h, num_warps=4)
         return out
     decode_weights[(w.k // BK, w.n // BN, len(ids))](
         words, ids, _windows(w.K, str(words.device)), out, w.k, w.n, stride_te,
         W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], BK=BK, BN=BN, TILED=tiled,
-        KLOG=_klog(w.K, tiled))
+        KLOG=_klog(w.K, tiled), MUL1_H=mul1_h, ASM=words.device.type == "cuda")
     return out
 
 
@@ -432,7 +434,7 @@ def _dense_products(hot: Hot | None, a0, a1, w: Exl3Weight, second: Exl3Weight |
     pairs = [(operand(a0, [BM, BK]), w, p0)] + ([(operand(a1, [BM, BK]), second, p1)] if second is not None else [])
     for ids, pos, length, slot in hot.groups:
         for a, wt, p in pairs:
-            dense = operand(decode_experts(wt, ids).view(-1, wt.n), [BK, BN])  # (experts * k, n)
+            dense = operand(decode_experts(wt, ids, _mul1_h(wt)).view(-1, wt.n), [BK, BN])  # (experts * k, n)
             kernel[(len(pos), -(-wt.n // BN))](a, dense, pos, length, slot, p, p.shape[1], wt.k, wt.n,
                                                SPLIT=p.shape[0], BM=BM, BN=BN, BK=BK, num_warps=warps,
                                                num_stages=stages)
@@ -446,11 +448,13 @@ def _without(chunks: tuple, hot: Hot, experts: int) -> tuple:
     return pos[order], length[order], expert[order], keep.sum().int().reshape(1), bound
 
 
-def _dense_call(M: int, launch: Launch, device: torch.device) -> bool:
+def _dense_call(M: int, launch: Launch, w: Exl3Weight, device: torch.device) -> bool:
     """Whether a call of M rows may take the dense path (and read the routing back, _hot_experts): only
     prefill-sized calls, never while a CUDA graph is being captured or torch.compile traces the call, and not
-    with grouped_mma's launch, whose activations (doubled fp16) the dense product does not read."""
-    if torch.compiler.is_compiling() or launch.mma:
+    with grouped_mma's launch, whose activations (doubled fp16) the dense product does not read, nor at mul1
+    with grouped_gemv's fp32 ones: the epilogue would take the rows' sums of values the dense product reads in
+    fp16."""
+    if torch.compiler.is_compiling() or launch.mma or (launch.gemv and _mul1_h(w)):
         return False
     return M >= DENSE_ROWS and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
@@ -499,9 +503,9 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     dev = x.device
     chunks, rows, zeros = _row_chunks(M, launch.BM, dev)
     a0, _, sums, _ = _rotate(a, rows, zeros, w, None, M, launch)
-    if _dense_call(M, launch, dev):  # decoded once for all rows
+    if _dense_call(M, launch, w, dev):  # decoded once for all rows
         part = torch.empty(1, M, w.n, device=dev, dtype=torch.float32)
-        _mm32(a0, decode_experts(w, zeros[:1])[0], part[0])
+        _mm32(a0, decode_experts(w, zeros[:1], _mul1_h(w))[0], part[0])
     else:
         part = torch.empty(launch.split, M, w.n, device=dev, dtype=torch.float32)
         _gemm(a0, a0, chunks, w, part, None, None, launch)
@@ -509,7 +513,7 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     BM, warps = epilogue_launch(M)
     linear_epilogue[(-(-M // BM), w.n // 128)](part, sums, w.svh, bias if bias is not None else w.svh, out,
                                                _had(str(dev)), M, w.n, w.out_features, w.k // 128,
-                                               HAS_BIAS=bias is not None, AFFINE=_affine(w, launch),
+                                               HAS_BIAS=bias is not None, MUL1_H=_mul1_h(w),
                                                SPLIT=part.shape[0], BM=BM, num_warps=warps)
     return out.reshape(*x.shape[:-1], w.out_features)
 
@@ -543,7 +547,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
     r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
     found = None
-    if _dense_call(M, up_launch, dev):
+    if _dense_call(M, up_launch, g, dev):
         found = _find_hot(r, P, E, _dense_tile(dev)[0], _dense_rows((g, experts.up, d), dev), dev)
     # the GPU rotates while the host waits for the counts of the dense experts
     a0, a1, s0, s1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
@@ -555,12 +559,12 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if grouped:
         _gemm(a0, a1, chunks, g, pg, pu, experts.up, up_launch)
     _dense_products(hot, a0, a1, g, experts.up, pg, pu)
-    mid, mid_sums = _act_buffer(P, g.n, down_launch, dev), _sums(P, g.n, d, down_launch, dev)
+    mid, mid_sums = _act_buffer(P, g.n, down_launch, dev), _sums(P, g.n, d, dev)
     BM, warps = epilogue_launch(P)
     act_epilogue[(-(-P // BM), g.n // 128)](pg, pu, s0, s1, r.sorted_expert, g.svh, experts.up.svh, d.suh,
                                             _had(str(dev)), mid, mid_sums, P, g.n, experts.intermediate, E,
                                             float(limit or 0.0), g.k // 128, HAS_LIMIT=limit is not None,
-                                            AFFINE=_affine(g, up_launch), SUMS=_affine(d, down_launch),
+                                            MUL1_H=_mul1_h(g), SUMS=_mul1_h(d),
                                             SPLIT=up_launch.split, BM=BM, num_warps=warps)
     pd = torch.empty(down_launch.split, P, d.n, device=dev, dtype=torch.float32)
     if grouped:
@@ -569,14 +573,14 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     out = torch.empty(M, experts.hidden, device=dev, dtype=x.dtype)
     args = (pd, mid_sums, r.slot_pos, r.slot_expert, topk_weights.reshape(-1), d.svh, _had(str(dev)), out, M, P,
             d.n, experts.hidden, d.k // 128)
-    affine = _affine(d, down_launch)
+    mul1_h = _mul1_h(d)
     if M <= COMBINE_STACKED:
         TP = 1 << (top_k - 1).bit_length()
         BT = max(1, 16 // TP)  # tokens whose slots make one product of 16 rows
-        combine_stacked[(-(-M // BT), d.n // 128)](*args, TOPK=top_k, AFFINE=affine, TP=TP,
+        combine_stacked[(-(-M // BT), d.n // 128)](*args, TOPK=top_k, MUL1_H=mul1_h, TP=TP,
                                                    SPLIT=down_launch.split, BT=BT, num_warps=epilogue_launch(M)[1])
     else:
         BM, warps = epilogue_launch(M)
-        combine_epilogue[(-(-M // BM), d.n // 128)](*args, TOPK=top_k, AFFINE=affine, SPLIT=down_launch.split,
+        combine_epilogue[(-(-M // BM), d.n // 128)](*args, TOPK=top_k, MUL1_H=mul1_h, SPLIT=down_launch.split,
                                                     BM=BM, num_warps=warps)
     return out

@@ -49,12 +49,29 @@ def codebook_fp16(state, CB: tl.constexpr):
 
 
 @triton.jit
-def decode_block(words, lo_off, hi_off, shift, CB: tl.constexpr):
-    """Decode weights whose state ends in word lo_off, continuing word hi_off, `shift` bits up."""
+def codebook_operand(state, CB: tl.constexpr, MUL1_H: tl.constexpr, ASM: tl.constexpr):
+    """codebook_fp16, except that with MUL1_H mul1 gives h = 1024 + its byte sum, the value before the format's
+    fp16 FMA, which mul1_affine applies to the products (ASM: the byte sum in one dp4a, inline PTX: not under
+    the interpreter)."""
+    if CB == 2 and MUL1_H:
+        x = state * 0x83DCD12D
+        if ASM:
+            h = tl.inline_asm_elementwise(
+                "{ .reg .b32 m, z; mov.b32 m, 0x01010101; mov.b32 z, 0x6400; dp4a.u32.u32 $0, $1, m, z; }", "=r,r",
+                [x], dtype=tl.uint32, is_pure=True, pack=1)
+            return h.to(tl.uint16).to(tl.float16, bitcast=True)
+        return ((x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24) + 1024).to(tl.float16)
+    return codebook_fp16(state, CB)
+
+
+@triton.jit
+def decode_block(words, lo_off, hi_off, shift, CB: tl.constexpr, MUL1_H: tl.constexpr, ASM: tl.constexpr):
+    """Decode weights whose state ends in word lo_off, continuing word hi_off, `shift` bits up
+    (codebook_operand)."""
     lo = tl.load(words + lo_off).to(tl.uint32, bitcast=True)
     hi = tl.load(words + hi_off).to(tl.uint32, bitcast=True)
     state = ((lo >> shift) | ((hi << 1) << (31 - shift))) & 0xFFFF  # two shifts: shift may be 0
-    return codebook_fp16(state, CB)
+    return codebook_operand(state, CB, MUL1_H, ASM)
 
 
 @triton.jit
@@ -122,9 +139,10 @@ def tile_states(lo, hi, shift, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.cons
 
 
 @triton.jit
-def decode_tiles(lo, hi, shift, CB: tl.constexpr, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+def decode_tiles(lo, hi, shift, CB: tl.constexpr, KLOG: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                 MUL1_H: tl.constexpr, ASM: tl.constexpr):
     """decode_block for K = 1, 2, 4, 8 from the (BK/16, BN/16, W) words of a block, each loaded once."""
-    return codebook_fp16(tile_states(lo, hi, shift, KLOG, BK, BN), CB)
+    return codebook_operand(tile_states(lo, hi, shift, KLOG, BK, BN), CB, MUL1_H, ASM)
 
 
 @triton.jit
@@ -170,23 +188,24 @@ def as_operand(y, dtype: tl.constexpr):
 @triton.jit
 def store_operand(y, out_ptr, sums_ptr, pos, live, width, SUMS: tl.constexpr):
     """Block (pos, 128 columns, program axis 1) of y stored in a (rows, width) operand as the next GEMM reads it
-    (as_operand); SUMS: also each row's sum of the stored fp16 values in sums[pos, block], which mul1_affine
-    reads."""
+    (as_operand); SUMS: also each row's sum of the stored values (fp32, or fp16 in any other form) in
+    sums[pos, block], which mul1_affine reads."""
     block = tl.program_id(1)
     cols = block * 128 + tl.arange(0, 128)
     tl.store(out_ptr + pos.to(tl.int64)[:, None] * width + cols[None, :], as_operand(y, out_ptr.dtype.element_ty),
              mask=live[:, None])
     if SUMS:
-        total = tl.sum(y.to(tl.float16).to(tl.float32), axis=1)
+        stored = y if out_ptr.dtype.element_ty == tl.float32 else y.to(tl.float16).to(tl.float32)
+        total = tl.sum(stored, axis=1)
         tl.store(sums_ptr + pos.to(tl.int64) * (width // 128) + block, total, mask=live)
 
 
 @triton.jit
 def mul1_affine(acc, sums_ptr, pos, live, KB):
-    """grouped_mma's mul1 products over a whole K (sums of h x, h = 1024 + a state's byte sum, the word before
-    the format's fp16 FMA) made the weights' products: weight = h k_inv + k_bias, so sum w x = k_inv sum h x +
-    k_bias sum x, sum x from the row's KB block sums (store_operand). Unrounded, the weights differ from the
-    format's fp16 ones by that rounding."""
+    """mul1 products over a whole K as the grouped GEMMs leave them (sums of h x, h = 1024 + a state's byte sum,
+    the value before the format's fp16 FMA) made the weights' products: weight = h k_inv + k_bias, so sum w x =
+    k_inv sum h x + k_bias sum x, sum x from the row's KB block sums (store_operand). Unrounded, the weights
+    differ from the format's fp16 ones by that rounding."""
     total = tl.zeros(pos.shape, tl.float32)
     for b in range(0, KB, 16):
         blocks = b + tl.arange(0, 16)
@@ -223,9 +242,10 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
                  t0_ptr, t1_ptr, table_ptr, p0_ptr, p1_ptr, P, k, n, stride_te,
                  W: tl.constexpr, CB: tl.constexpr, DUAL: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                 TILED: tl.constexpr = False, KLOG: tl.constexpr = 1, SWAP: tl.constexpr = False):
+                 TILED: tl.constexpr = False, KLOG: tl.constexpr = 1, SWAP: tl.constexpr = False,
+                 ASM: tl.constexpr = False):
     """Partial products p[split, pos, n] = a[pos] @ W-hat[e] over this split's K range, for the rows of one
-    chunk (consecutive positions pos0 .. pos0+len-1 that share expert e).
+    chunk (consecutive positions pos0 .. pos0+len-1 that share expert e); at mul1 of h (codebook_operand).
 
     a (P, k) fp16, already rotated; trellis as int32 words (E, k/16, n/16, W); p (SPLIT, P, n) fp32.
     DUAL decodes a second weight (up) against its own rotated rows a1. TILED (K = 2^KLOG only) loads each
@@ -279,19 +299,19 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
             if DUAL:
                 next_lo1, next_hi1 = load_words(w1_base + block, lo_off, hi_off)
             a = tl.load(a0_ptr + a_off + step * BK, mask=live[:, None], other=0.0)
-            acc0 = mma(a, decode_tiles(lo0, hi0, shift, CB, KLOG, BK, BN), acc0, SWAP)
+            acc0 = mma(a, decode_tiles(lo0, hi0, shift, CB, KLOG, BK, BN, True, ASM), acc0, SWAP)
             if DUAL:
                 a = tl.load(a1_ptr + a_off + step * BK, mask=live[:, None], other=0.0)
-                acc1 = mma(a, decode_tiles(lo1, hi1, shift, CB, KLOG, BK, BN), acc1, SWAP)
+                acc1 = mma(a, decode_tiles(lo1, hi1, shift, CB, KLOG, BK, BN, True, ASM), acc1, SWAP)
             lo0, hi0, lo1, hi1 = next_lo0, next_hi0, next_lo1, next_hi1
     else:
         for step in range(first, last):
             block = step * stride_step
             a = tl.load(a0_ptr + a_off + step * BK, mask=live[:, None], other=0.0)
-            acc0 = tl.dot(a, decode_block(w0_base + block, lo_off, hi_off, shift, CB), acc0)
+            acc0 = tl.dot(a, decode_block(w0_base + block, lo_off, hi_off, shift, CB, True, ASM), acc0)
             if DUAL:
                 a = tl.load(a1_ptr + a_off + step * BK, mask=live[:, None], other=0.0)
-                acc1 = tl.dot(a, decode_block(w1_base + block, lo_off, hi_off, shift, CB), acc1)
+                acc1 = tl.dot(a, decode_block(w1_base + block, lo_off, hi_off, shift, CB, True, ASM), acc1)
     if SWAP:
         acc0, acc1 = tl.trans(acc0), tl.trans(acc1)
     out = (pid_s * P + pos)[:, None] * n + cols[None, :]
@@ -321,25 +341,25 @@ def _split_sum(p_ptr, pos, cols, mask, P, n, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _products(p_ptr, sums_ptr, pos, cols, live, P, n, KB, SPLIT: tl.constexpr, AFFINE: tl.constexpr):
-    """The GEMM's products at positions pos: the sum of its K splits, through mul1_affine where AFFINE (grouped_mma
-    at mul1)."""
+def _products(p_ptr, sums_ptr, pos, cols, live, P, n, KB, SPLIT: tl.constexpr, MUL1_H: tl.constexpr):
+    """The GEMM's products at positions pos: the sum of its K splits, through mul1_affine where they are of
+    mul1's h."""
     acc = _split_sum(p_ptr, pos, cols, live[:, None], P, n, SPLIT)
-    if AFFINE:
+    if MUL1_H:
         acc = mul1_affine(acc, sums_ptr, pos, live, KB)
     return acc
 
 
 @triton.jit
 def linear_epilogue(p_ptr, sums_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, n_out, KB,
-                    HAS_BIAS: tl.constexpr, AFFINE: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
-    """out[pos, :n_out] = (H_128 sum_split p[:, pos]) * svh (+ bias), in out's dtype (AFFINE: _products)."""
+                    HAS_BIAS: tl.constexpr, MUL1_H: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
+    """out[pos, :n_out] = (H_128 sum_split p[:, pos]) * svh (+ bias), in out's dtype (MUL1_H: _products)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
     live = rows < P
     mask = live[:, None]
-    y = rotate_out(_products(p_ptr, sums_ptr, rows, cols, live, P, n, KB, SPLIT, AFFINE), had,
+    y = rotate_out(_products(p_ptr, sums_ptr, rows, cols, live, P, n, KB, SPLIT, MUL1_H), had,
                    out_ptr.dtype.element_ty)
     y = y * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
     if HAS_BIAS:
@@ -350,9 +370,9 @@ def linear_epilogue(p_ptr, sums_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, 
 
 @triton.jit
 def act_epilogue(pg_ptr, pu_ptr, sums_g_ptr, sums_u_ptr, expert_ptr, svh_g_ptr, svh_u_ptr, suh_d_ptr, had_ptr,
-                 out_ptr, sums_ptr, P, n, n_real, E, limit, KB, HAS_LIMIT: tl.constexpr, AFFINE: tl.constexpr,
+                 out_ptr, sums_ptr, P, n, n_real, E, limit, KB, HAS_LIMIT: tl.constexpr, MUL1_H: tl.constexpr,
                  SUMS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
-    """The middle of a MoE expert, per sorted slot: g, u = H(gate), H(up) scaled by svh (AFFINE: _products); a =
+    """The middle of a MoE expert, per sorted slot: g, u = H(gate), H(up) scaled by svh (MUL1_H: _products); a =
     SiLU(g) u (SwiGLU-clamped with a limit); out = H(a * suh_down) in out's dtype, the down projection's rotated
     input (SUMS: and its block sums)."""
     pos = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -363,9 +383,9 @@ def act_epilogue(pg_ptr, pu_ptr, sums_g_ptr, sums_u_ptr, expert_ptr, svh_g_ptr, 
     mask = live[:, None]
     vec = e[:, None] * n + cols[None, :]
     stored: tl.constexpr = out_ptr.dtype.element_ty
-    g = rotate_out(_products(pg_ptr, sums_g_ptr, pos, cols, live, P, n, KB, SPLIT, AFFINE), had, stored)
+    g = rotate_out(_products(pg_ptr, sums_g_ptr, pos, cols, live, P, n, KB, SPLIT, MUL1_H), had, stored)
     g = g * tl.load(svh_g_ptr + vec, mask=mask, other=0.0).to(tl.float32)
-    u = rotate_out(_products(pu_ptr, sums_u_ptr, pos, cols, live, P, n, KB, SPLIT, AFFINE), had, stored)
+    u = rotate_out(_products(pu_ptr, sums_u_ptr, pos, cols, live, P, n, KB, SPLIT, MUL1_H), had, stored)
     u = u * tl.load(svh_u_ptr + vec, mask=mask, other=0.0).to(tl.float32)
     if HAS_LIMIT:
         g = tl.minimum(g, limit)
@@ -378,10 +398,10 @@ def act_epilogue(pg_ptr, pu_ptr, sums_g_ptr, sums_u_ptr, expert_ptr, svh_g_ptr, 
 
 @triton.jit
 def combine_epilogue(pd_ptr, sums_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr, had_ptr, out_ptr,
-                     M, P, n, n_out, KB, TOPK: tl.constexpr, AFFINE: tl.constexpr, SPLIT: tl.constexpr,
+                     M, P, n, n_out, KB, TOPK: tl.constexpr, MUL1_H: tl.constexpr, SPLIT: tl.constexpr,
                      BM: tl.constexpr):
     """out[t] = sum over t's slots j, in order, of w[t, j] * H(down products of the slot) * svh_down[e]
-    (AFFINE: _products)."""
+    (MUL1_H: _products)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
@@ -392,7 +412,7 @@ def combine_epilogue(pd_ptr, sums_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr
         live = (rows < M) & (e >= 0)
         pos = tl.load(slot_pos_ptr + slot, mask=live, other=0)
         w = tl.load(weight_ptr + slot, mask=live, other=0.0).to(tl.float32)
-        y = rotate_out(_products(pd_ptr, sums_ptr, pos, cols, live, P, n, KB, SPLIT, AFFINE), had,
+        y = rotate_out(_products(pd_ptr, sums_ptr, pos, cols, live, P, n, KB, SPLIT, MUL1_H), had,
                        out_ptr.dtype.element_ty)
         y = y * tl.load(svh_ptr + e[:, None] * n + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
         acc += y * w[:, None]
@@ -402,7 +422,7 @@ def combine_epilogue(pd_ptr, sums_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr
 
 @triton.jit
 def combine_stacked(pd_ptr, sums_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr, svh_ptr, had_ptr, out_ptr, M, P, n,
-                    n_out, KB, TOPK: tl.constexpr, AFFINE: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
+                    n_out, KB, TOPK: tl.constexpr, MUL1_H: tl.constexpr, TP: tl.constexpr, SPLIT: tl.constexpr,
                     BT: tl.constexpr):
     """combine_epilogue for a few tokens: BT tokens a program, their slots (TOPK of them, padded to TP, a power of
     two) stacked into the rows of one product, so the call has many small programs instead of a few long ones."""
@@ -416,7 +436,7 @@ def combine_stacked(pd_ptr, sums_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr,
     pos = tl.load(slot_pos_ptr + slot, mask=live, other=0)
     w = tl.load(weight_ptr + slot, mask=live, other=0.0).to(tl.float32)
     x = _products(pd_ptr, sums_ptr, tl.reshape(pos, (BT * TP,)), cols, tl.reshape(live, (BT * TP,)), P, n, KB, SPLIT,
-                  AFFINE)
+                  MUL1_H)
     y = tl.reshape(rotate_out(x, had, out_ptr.dtype.element_ty), (BT, TP, 128))
     y *= tl.load(svh_ptr + e[:, :, None] * n + cols[None, None, :], mask=live[:, :, None], other=0.0).to(tl.float32)
     out = tl.sum(y * w[:, :, None], axis=1)
@@ -426,9 +446,11 @@ def combine_stacked(pd_ptr, sums_ptr, slot_pos_ptr, slot_expert_ptr, weight_ptr,
 
 @triton.jit
 def decode_weights(t_ptr, expert_ptr, table_ptr, out_ptr, k, n, stride_te, W: tl.constexpr, CB: tl.constexpr,
-                   BK: tl.constexpr, BN: tl.constexpr, TILED: tl.constexpr, KLOG: tl.constexpr):
+                   BK: tl.constexpr, BN: tl.constexpr, TILED: tl.constexpr, KLOG: tl.constexpr,
+                   MUL1_H: tl.constexpr, ASM: tl.constexpr):
     """out[i] = W-hat of expert expert[i] (program axis 2) as (k, n) fp16, one (BK, BN) block per program: the
-    weights of the experts many rows use, decoded once for a dense matmul. Decoders as in grouped_gemm."""
+    weights of the experts many rows use, decoded once for a dense matmul (codebook_operand). Decoders as in
+    grouped_gemm."""
     pid_k = tl.program_id(0)
     pid_n = tl.program_id(1)
     i = tl.program_id(2)
@@ -437,10 +459,10 @@ def decode_weights(t_ptr, expert_ptr, table_ptr, out_ptr, k, n, stride_te, W: tl
     if TILED:
         lo_off, hi_off, shift = tile_offsets(pid_n, n, W, KLOG, BK, BN)
         lo, hi = load_words(base, lo_off, hi_off)
-        w = decode_tiles(lo, hi, shift, CB, KLOG, BK, BN)
+        w = decode_tiles(lo, hi, shift, CB, KLOG, BK, BN, MUL1_H, ASM)
     else:
         lo_off, hi_off, shift = gather_offsets(table_ptr, pid_n, n, W, BK, BN)
-        w = decode_block(base, lo_off, hi_off, shift, CB)
+        w = decode_block(base, lo_off, hi_off, shift, CB, MUL1_H, ASM)
     rows = (pid_k * BK + tl.arange(0, BK)).to(tl.int64)
     cols = pid_n * BN + tl.arange(0, BN)
     tl.store(out_ptr + i.to(tl.int64) * k * n + rows[:, None] * n + cols[None, :], w)
