@@ -94,7 +94,7 @@ MMA_ROWS = 8
 # "rows" regime: four n tiles of the MMA, each decoded weight serving all 32 rows; gate and up in two launches, as
 # both together would spill); 0 turns it off. A prefill call with experts for the dense path (_find_hot) takes the
 # tl.dot launches instead, over the same chunks, as the dense product reads fp16 rows, not grouped_mma's doubled ones.
-ROWS_MMA = 96
+ROWS_MMA = 32
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
          ("mma", True): (8, 32, 128, 4, 1), ("gemv", True): (2, 64, 64, 4, 1), ("decode", True): (16, 64, 64, 4, 2),
          ("prefill", True): (64, 64, 128, 4, 1), ("rows", True): (32, 16, 256, 4, 1)}
