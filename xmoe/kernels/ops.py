@@ -94,6 +94,8 @@ MMA_ROWS = 8
 # "rows" regime: four n tiles of the MMA, each decoded weight serving all 32 rows; gate and up in two launches, as
 # both together would spill); 0 turns it off. A prefill call with experts for the dense path (_find_hot) takes the
 # tl.dot launches instead, over the same chunks, as the dense product reads fp16 rows, not grouped_mma's doubled ones.
+# On the H200 at V4.1 shapes, 1,542 uniform tokens (24 rows an expert): K = 2 MCG 5.2 against 6.4 ms, K = 3 mul1 5.7
+# against 11.7; at 4,096 (64 rows, two chunks an expert) 12.6 against 9.9 and 13.0 against 11.3, hence 32.
 ROWS_MMA = 32
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
          ("mma", True): (8, 32, 128, 4, 1), ("gemv", True): (2, 64, 64, 4, 1), ("decode", True): (16, 64, 64, 4, 2),
@@ -129,8 +131,9 @@ COMBINE_STACKED = 16
 MMA_MAXNREG = (72, 72)
 ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spills: Triton 3.6, sm_90)
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
-# finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16).
-FILL = {"mma": 16, "rows": 4, "gemv": 32, "decode": 4, "prefill": 4}
+# finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16). "rows"
+# splits only dense layers (a MoE prefill call has programs enough): 16 was 5-10% ahead of 4 at 16-32 rows.
+FILL = {"mma": 16, "rows": 16, "gemv": 32, "decode": 4, "prefill": 4}
 
 
 def regime(rows_per_chunk: float, tiled: bool = True, mma: bool = False) -> str:
@@ -464,15 +467,16 @@ def _without(chunks: tuple, hot: Hot, experts: int) -> tuple:
     return pos[order], length[order], expert[order], keep.sum().int().reshape(1), bound
 
 
-def _dense_call(M: int, launch: Launch, w: Exl3Weight, device: torch.device) -> bool:
+def _dense_call(M: int, launch: Launch, w: Exl3Weight, device: torch.device, rows: int | None = None) -> bool:
     """Whether a call of M rows may take the dense path (and read the routing back, _hot_experts): only
-    prefill-sized calls, never while a CUDA graph is being captured or torch.compile traces the call, and not
+def _dense_call(M: int, launch: Launch, w: Exl3Weight, device: torch.device,
+                rows: int | None = None) -> bool:
     with grouped_mma's launch, whose activations (doubled fp16) the dense product does not read, nor at mul1
     with grouped_gemv's fp32 ones: the epilogue would take the rows' sums of values the dense product reads in
     fp16."""
     if torch.compiler.is_compiling() or launch.mma or (launch.gemv and _mul1_h(w)):
         return False
-    return M >= DENSE_ROWS and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    return M >= (rows or DENSE_ROWS) and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _padded_rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -519,7 +523,7 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     dev = x.device
     chunks, rows, zeros = _row_chunks(M, launch.BM, dev)
     a0, _, sums, _ = _rotate(a, rows, zeros, w, None, M, launch)
-    if _dense_call(M, launch, w, dev):  # decoded once for all rows
+    if _dense_call(M, launch, w, dev, _dense_rows((w,), dev)):  # decoded once for all rows
         part = torch.empty(1, M, w.n, device=dev, dtype=torch.float32)
         _mm32(a0, decode_experts(w, zeros[:1], _mul1_h(w))[0], part[0])
     else:
