@@ -467,13 +467,13 @@ def _without(chunks: tuple, hot: Hot, experts: int) -> tuple:
     return pos[order], length[order], expert[order], keep.sum().int().reshape(1), bound
 
 
-def _dense_call(M: int, launch: Launch, w: Exl3Weight, device: torch.device, rows: int | None = None) -> bool:
-    """Whether a call of M rows may take the dense path (and read the routing back, _hot_experts): only
 def _dense_call(M: int, launch: Launch, w: Exl3Weight, device: torch.device,
                 rows: int | None = None) -> bool:
-    with grouped_mma's launch, whose activations (doubled fp16) the dense product does not read, nor at mul1
-    with grouped_gemv's fp32 ones: the epilogue would take the rows' sums of values the dense product reads in
-    fp16."""
+    """Whether a call of M rows may take the dense path (and read the routing back, _hot_experts): only
+    prefill-sized calls (`rows` or more, DENSE_ROWS unless given), never while a CUDA graph is being captured or
+    torch.compile traces the call, and not with grouped_mma's launch, whose activations (doubled fp16) the dense
+    product does not read, nor at mul1 with grouped_gemv's fp32 ones: the epilogue would take the rows' sums of
+    values the dense product reads in fp16."""
     if torch.compiler.is_compiling() or launch.mma or (launch.gemv and _mul1_h(w)):
         return False
     return M >= (rows or DENSE_ROWS) and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
