@@ -467,17 +467,14 @@ def _without(chunks: tuple, hot: Hot, experts: int) -> tuple:
     return pos[order], length[order], expert[order], keep.sum().int().reshape(1), bound
 
 
-def _dense_call(M: int, launch: Launch, w: Exl3Weight, device: torch.device, rows: int | None = None,
-                layer: bool = False) -> bool:
+def _dense_call(M: int, launch: Launch, w: Exl3Weight, device: torch.device) -> bool:
     """Whether a call of M rows may take the dense path (and read the routing back, _hot_experts): only
-    prefill-sized calls (`rows` or more, DENSE_ROWS unless given), never while torch.compile traces the call nor,
-    for a MoE call (not a dense `layer`, which reads nothing back), while a CUDA graph is being captured; and not
+    prefill-sized calls, never while a CUDA graph is being captured or torch.compile traces the call, and not
     with grouped_mma's launch, whose activations (doubled fp16) the dense product does not read, nor at mul1 with
     grouped_gemv's fp32 ones: the epilogue would take the rows' sums of values the dense product reads in fp16."""
     if torch.compiler.is_compiling() or launch.mma or (launch.gemv and _mul1_h(w)):
         return False
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    return M >= (rows or DENSE_ROWS) and (layer or not capturing)
+    return M >= DENSE_ROWS and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def _padded_rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -524,7 +521,7 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     dev = x.device
     chunks, rows, zeros = _row_chunks(M, launch.BM, dev)
     a0, _, sums, _ = _rotate(a, rows, zeros, w, None, M, launch)
-    if _dense_call(M, launch, w, dev, _dense_rows((w,), dev), layer=True):  # decoded once for all rows
+    if _dense_call(M, launch, w, dev):  # decoded once for all rows
         part = torch.empty(1, M, w.n, device=dev, dtype=torch.float32)
         _mm32(a0, decode_experts(w, zeros[:1], _mul1_h(w))[0], part[0])
     else:
