@@ -191,7 +191,8 @@ def test_rows_regime_interpreter():
                                                                     codebook="mul1", skew=False)]
     run_interpreted("\n".join([
         "calls, launches, emulated = emulate_mma(), [], ops._gemm",
-        "ops._gemm = lambda *a: launches.append(a[-1]) or emulated(*a)", "ops.MMA_ROWS = 0",
+        "ops._gemm = lambda *a: launches.append(a[-1]) or emulated(*a)", "ops.MMA_ROWS = ops.ROWS_MMA_TILED = 0",
+        "ops.ROWS_MMA = float('inf')",
         *(f"check_linear(*{c}, 'cpu')" for c in SMALL_LINEAR), *(f"check_moe(**{c}, device='cpu')" for c in moe),
         "assert launches and all(l.mma and l.BM == 32 for l in launches), launches",
         "ops.DENSE_ROWS, ops.DENSE_REST = 12, 0", "hot, find = [], ops._hot_experts",
@@ -299,8 +300,10 @@ def test_gemv_plan():
 def test_mma_plan(monkeypatch):
     launch = ops.plan(36, 1152, 5120, 1.0, 132, mma=True)
     assert launch.mma and not launch.gemv and launch.BM == 8
-    rows = ops.plan(36, 1152, 5120, 12.0, 132, mma=True)  # more rows per expert than 8: chunks of 32 ("rows")
+    rows = ops.plan(36, 1152, 5120, 24.0, 132, mma=True)  # more rows per expert than 8: chunks of 32 ("rows")
     assert rows.mma and rows.BM == 32 and rows.BN == 128  # 256 does not divide 1,152 columns
+    assert not ops.plan(36, 1152, 5120, 12.0, 132, mma=True).mma  # the tiled decoder's tl.dot launch up to 16
+    assert ops.plan(36, 1152, 5120, 12.0, 132, K=3, mma=True).BM == 32  # none at K = 3
     assert not ops.plan(36, 1152, 5120, 200.0, 132, mma=True).mma
     assert ops.plan(36, 1152, 5120, 1.0, 132, K=3, mma=True).mma  # K = 3: no tiled decoder, but grouped_mma's
     monkeypatch.setitem(ops.TUNED, ("mma", True), (8, 32, 256, 4, 1))
@@ -392,6 +395,7 @@ def decoder(request, monkeypatch):
         monkeypatch.setattr(ops, "GEMV_ROWS", float("inf") if request.param.endswith("gemv") else 0)
         monkeypatch.setattr(ops, "MMA_ROWS", float("inf") if request.param.endswith("mma") else 0)
         monkeypatch.setattr(ops, "ROWS_MMA", float("inf") if request.param.endswith("rows") else 0)
+        monkeypatch.setattr(ops, "ROWS_MMA_TILED", 0)
     return request.param
 
 

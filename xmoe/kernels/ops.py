@@ -97,6 +97,10 @@ MMA_ROWS = 8
 # On the H200 at V4.1 shapes, 1,542 uniform tokens (24 rows an expert): K = 2 MCG 5.2 against 6.4 ms, K = 3 mul1 5.7
 # against 11.7; at 4,096 (64 rows, two chunks an expert) 12.6 against 9.9 and 13.0 against 11.3, hence 32.
 ROWS_MMA = 32
+# Where the tiled decoder can take the call, its tl.dot "decode" launches keep chunks of up to this many expected
+# rows: dense layers of 16 rows took as long or less that way (5120 x 2304, K = 2: 22.3 against 29.3 us), while at
+# K = 3 the "rows" regime took half the gather decoder's time from 16 rows on.
+ROWS_MMA_TILED = 16
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
          ("mma", True): (8, 32, 128, 4, 1), ("gemv", True): (2, 64, 64, 4, 1), ("decode", True): (16, 64, 64, 4, 2),
          ("prefill", True): (64, 64, 128, 4, 1), ("rows", True): (32, 16, 256, 4, 1)}
@@ -138,11 +142,11 @@ FILL = {"mma": 16, "rows": 16, "gemv": 32, "decode": 4, "prefill": 4}
 
 def regime(rows_per_chunk: float, tiled: bool = True, mma: bool = False) -> str:
     """The row regime, the key of TUNED and SWAP_AB: "mma" (where grouped_mma can run) up to MMA_ROWS rows per
-    chunk and "rows" up to ROWS_MMA, "gemv" (tiled decoder only) for about one row per weight, "decode" for a few,
-    else "prefill"."""
+    chunk and "rows" up to ROWS_MMA (with the tiled decoder, from ROWS_MMA_TILED), "gemv" (tiled decoder only)
+    for about one row per weight, "decode" for a few, else "prefill"."""
     if mma and rows_per_chunk <= MMA_ROWS:
         return "mma"
-    if mma and rows_per_chunk <= ROWS_MMA:
+    if mma and rows_per_chunk <= ROWS_MMA and not (tiled and rows_per_chunk <= ROWS_MMA_TILED):
         return "rows"
     if tiled and rows_per_chunk <= GEMV_ROWS:
         return "gemv"
