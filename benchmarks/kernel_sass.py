@@ -2,8 +2,8 @@
 cuobjdump), then print registers, local-memory use and the SASS of the K loop per decoded weight and thread
 (grouped_gemv: per weight and row, for its one- and two-row loops). Arguments are aligned as at V4.1 shapes,
 which decides how Triton vectorises the loads. With --mma: the same for gluon_mma's grouped_mma (at
-ops.MMA_MAXNREG) and decode_weights at K = 1-4 (and 1.5, 2.5, 3.5 for mul1). With --viterbi: the fp16-pair
-Viterbi's step loop at K = 2, 3, 4, per candidate (65,536 a step).
+ops.MMA_MAXNREG, and in the "rows" regime at ops.ROWS_MAXNREG) and decode_weights at K = 1-4 (and 1.5, 2.5,
+3.5 for mul1). With --viterbi: the fp16-pair Viterbi's step loop at K = 2, 3, 4, per candidate (65,536 a step).
 
     python benchmarks/kernel_sass.py [--arch 90] [--codebook mcg] [--mma | --viterbi]
 """
@@ -100,6 +100,7 @@ def gluon_kernels(arch: int, codebook: str) -> None:
     from xmoe.kernels import gluon_mma
 
     _, BK, BN, warps, _ = ops.TUNED["mma", True]
+    RM, RK, RN, _, _ = ops.TUNED["rows", True]  # the same warps
     mma_args = {**dict(ARGS[:8]), "p0_ptr": "*fp32", "p1_ptr": "*fp32", **dict(ARGS[11:]), "mask": "i32"}
     mma_args.update(a0_ptr="*i32", a1_ptr="*i32")  # doubled fp16
     decode_args = {"t_ptr": "*i32", "expert_ptr": "*i32", "out_ptr": "*fp16", "k": "i32", "n": "i32",
@@ -109,9 +110,11 @@ def gluon_kernels(arch: int, codebook: str) -> None:
     for K in (1, 2, 3, 4) + ((1.5, 2.5, 3.5) if codebook == "mul1" else ()):
         for name, fn, args, consts, registers in (
                 ("grouped_mma dual", gluon_mma.grouped_mma, mma_args,
-                 dict(W=int(8 * K), CB=CB, DUAL=True, BN=BN, BK=BK, SPLIT=1), ops.MMA_MAXNREG[0]),
+                 dict(W=int(8 * K), CB=CB, DUAL=True, BN=BN, BK=BK, SPLIT=1, ROWS=8), ops.MMA_MAXNREG[0]),
                 ("grouped_mma", gluon_mma.grouped_mma, mma_args,
-                 dict(W=int(8 * K), CB=CB, DUAL=False, BN=BN, BK=BK, SPLIT=1), ops.MMA_MAXNREG[1]),
+                 dict(W=int(8 * K), CB=CB, DUAL=False, BN=BN, BK=BK, SPLIT=1, ROWS=8), ops.MMA_MAXNREG[1]),
+                ("grouped_mma rows", gluon_mma.grouped_mma, mma_args,
+                 dict(W=int(8 * K), CB=CB, DUAL=False, BN=RN, BK=RK, SPLIT=1, ROWS=RM), ops.ROWS_MAXNREG),
                 ("decode_weights", gluon_mma.decode_weights, decode_args,
                  dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8, MUL1_H=CB == 2), 0)):
             names = [*args, *consts]
@@ -124,7 +127,8 @@ def gluon_kernels(arch: int, codebook: str) -> None:
             cubin = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
             usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
             counts = max(loop_ops(tool("cuobjdump", cubin, "-sass")), key=lambda c: sum(c.values()))
-            per = (128 * 32 if name == "decode_weights" else BK * BN * (2 if "dual" in name else 1)) / (32 * warps)
+            per = (128 * 32 if name == "decode_weights" else consts["BK"] * consts["BN"] * (1 + consts["DUAL"])) / \
+                (32 * warps)
             top = ", ".join(f"{op} {n / per:.2f}" for op, n in counts.most_common(8))
             print(f"K={K} {name:<16}: {usage.group(1)} registers, {usage.group(2)} B stack; K loop "
                   f"{sum(counts.values()) / per:.2f} instructions per decoded weight ({top})")

@@ -69,10 +69,13 @@ def main():
                    help="rows up to which tiled launches take grouped_gemv (ops.GEMV_ROWS; 0: never)")
     p.add_argument("--mma-rows", type=float, default=ops.MMA_ROWS,
                    help="rows up to which grouped_mma takes the call (ops.MMA_ROWS; 0: never)")
+    p.add_argument("--rows-mma", type=float, default=ops.ROWS_MMA,
+                   help="rows up to which grouped_mma takes the call in chunks of 32 (ops.ROWS_MMA; 0: never)")
     p.add_argument("--fill", type=int, help="programs a multiprocessor the K split aims for, every regime (ops.FILL)")
     p.add_argument("--json")
     args = p.parse_args()
     ops.DECODER, ops.GEMV_ROWS, ops.MMA_ROWS = args.decoder, args.gemv_rows, args.mma_rows
+    ops.ROWS_MMA = args.rows_mma
     if args.fill:
         ops.FILL = dict.fromkeys(ops.FILL, args.fill)
     dev = torch.device("cuda")

@@ -267,7 +267,7 @@ def main():
     p.add_argument("--dense-tile", type=int, nargs=5, default=ops.DENSE_TILE,
                    metavar=("BM", "BN", "BK", "WARPS", "STAGES"), help="dense_gemm's launch (ops.DENSE_TILE)")
     p.add_argument("--tuned", help="JSON {regime: [BM, BK, BN, warps, stages], ...} to use; regimes \"mma\", "
-                                   "\"gemv\", \"decode\", \"prefill\"")
+                                   "\"rows\", \"gemv\", \"decode\", \"prefill\"")
     p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
     p.add_argument("--swap", nargs="*", choices=("decode", "prefill"), default=sorted(ops.SWAP_AB),
                    help="regimes whose tiled launches multiply W^T a^T (ops.SWAP_AB)")
@@ -275,6 +275,9 @@ def main():
                    help="rows per chunk up to which tiled launches take grouped_gemv (ops.GEMV_ROWS; 0: never)")
     p.add_argument("--mma-rows", type=float, default=ops.MMA_ROWS,
                    help="rows per chunk up to which grouped_mma takes the call (ops.MMA_ROWS; 0: never)")
+    p.add_argument("--rows-mma", type=float, default=ops.ROWS_MMA,
+                   help="rows per chunk up to which grouped_mma takes the call in chunks of 32 "
+                        "(ops.ROWS_MMA; 0: never)")
     p.add_argument("--dense-rows", type=int, default=ops.DENSE_ROWS,
                    help="rows from which an expert is decoded once and multiplied densely (ops.DENSE_ROWS)")
     p.add_argument("--dense-group", type=int, default=ops.DENSE_GROUP,
@@ -287,6 +290,8 @@ def main():
                         "and beyond (ops.EPILOGUE)")
     p.add_argument("--mma-maxnreg", type=int, nargs=2, default=ops.MMA_MAXNREG, metavar=("GATE_UP", "DOWN"),
                    help="registers a thread grouped_mma may take (ops.MMA_MAXNREG; 0: the compiler's choice)")
+    p.add_argument("--rows-maxnreg", type=int, default=ops.ROWS_MAXNREG,
+                   help="the same in the \"rows\" regime (ops.ROWS_MAXNREG)")
     p.add_argument("--pipelined", action="store_true", help="time eager calls back to back (else one at a time)")
     p.add_argument("--json")
     args = p.parse_args()
@@ -294,6 +299,7 @@ def main():
     ops.DENSE_TMA = bool(args.dense_tma)
     ops.DECODER, ops.SWAP_AB, ops.GEMV_ROWS = args.decoder, set(args.swap), args.gemv_rows
     ops.MMA_ROWS, ops.MMA_MAXNREG = args.mma_rows, tuple(args.mma_maxnreg)
+    ops.ROWS_MMA, ops.ROWS_MAXNREG = args.rows_mma, args.rows_maxnreg
     ops.EPILOGUE = tuple(args.epilogue[:2]), tuple(args.epilogue[2:])
     if args.fill and not args.sweep:
         ops.FILL = dict.fromkeys(ops.FILL, args.fill[0])

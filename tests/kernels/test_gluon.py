@@ -116,10 +116,15 @@ def compile_gluon(fn, args: dict, const: dict, arch: int, **options):
     return triton_compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def compiled(K: int, CB: int, DUAL: bool, BN: int, BK: int, arch: int):
-    const = dict(W=int(8 * K), CB=CB, DUAL=DUAL, BN=BN, BK=BK, SPLIT=1)
+def registers(DUAL: bool, ROWS: int) -> int:
+    """The registers ops gives a grouped_mma launch (0: the compiler's choice)."""
+    return ops.ROWS_MAXNREG if ROWS > 8 else ops.MMA_MAXNREG[not DUAL]
+
+
+def compiled(K: int, CB: int, DUAL: bool, BN: int, BK: int, arch: int, ROWS: int = 8):
+    const = dict(W=int(8 * K), CB=CB, DUAL=DUAL, BN=BN, BK=BK, SPLIT=1, ROWS=ROWS)
     return compile_gluon(grouped_mma, {**POINTERS, **SCALARS}, const, arch, num_warps=4,
-                         **ops._maxnreg(ops.MMA_MAXNREG[not DUAL]))
+                         **ops._maxnreg(registers(DUAL, ROWS)))
 
 
 def resources(cubin: bytes, tmp_path: Path) -> dict:
@@ -132,19 +137,27 @@ def resources(cubin: bytes, tmp_path: Path) -> dict:
     return {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
 
 
-@pytest.mark.parametrize("K, CB, DUAL, BN, BK, arch", [
-    (2, 1, True, 128, 32, 90), (2, 0, True, 128, 32, 90), (2, 1, False, 128, 32, 90), (2, 0, False, 64, 64, 90),
-    (1, 1, True, 128, 32, 90), (1, 0, False, 128, 32, 90), (4, 0, True, 128, 32, 80), (4, 1, False, 128, 32, 90),
-    (3, 1, True, 128, 32, 90), (3, 0, False, 128, 32, 90), (2, 2, True, 128, 32, 90), (3, 2, False, 128, 32, 90),
-    (4, 2, True, 128, 32, 80), (2.5, 2, True, 128, 32, 90), (3.5, 2, False, 128, 32, 90), (1.5, 2, False, 128, 32, 90)])
-def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, tmp_path):
-    kernel = compiled(K, CB, DUAL, BN, BK, arch)
+ROWS_TILE = ops.TUNED["rows", True]  # the "rows" regime's (BM, BK, BN, warps, stages)
+
+
+@pytest.mark.parametrize("K, CB, DUAL, BN, BK, arch, ROWS", [
+    (2, 1, True, 128, 32, 90, 8), (2, 0, True, 128, 32, 90, 8), (2, 1, False, 128, 32, 90, 8),
+    (2, 0, False, 64, 64, 90, 8), (1, 1, True, 128, 32, 90, 8), (1, 0, False, 128, 32, 90, 8),
+    (4, 0, True, 128, 32, 80, 8), (4, 1, False, 128, 32, 90, 8), (3, 1, True, 128, 32, 90, 8),
+    (3, 0, False, 128, 32, 90, 8), (2, 2, True, 128, 32, 90, 8), (3, 2, False, 128, 32, 90, 8),
+    (4, 2, True, 128, 32, 80, 8), (2.5, 2, True, 128, 32, 90, 8), (3.5, 2, False, 128, 32, 90, 8),
+    (1.5, 2, False, 128, 32, 90, 8)] +
+    [(K, CB, False, ROWS_TILE[2], ROWS_TILE[1], 90, ROWS_TILE[0]) for K, CB in ((2, 1), (2, 2), (3, 1), (4, 0),
+                                                                               (2.5, 2), (3, 2))])
+def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, ROWS, tmp_path):
+    kernel = compiled(K, CB, DUAL, BN, BK, arch, ROWS)
     assert kernel.metadata.shared == 0, "a decoded weight went through shared memory"
-    usage = resources(kernel.asm["cubin"], tmp_path)  # within ops.MMA_MAXNREG, nothing spilled
-    assert usage["REG"] <= (ops.MMA_MAXNREG[not DUAL] or 255) and usage["STACK"] == usage["LOCAL"] == 0, usage
+    usage = resources(kernel.asm["cubin"], tmp_path)  # within ops' register limit, nothing spilled
+    assert usage["REG"] <= (registers(DUAL, ROWS) or 255) and usage["STACK"] == usage["LOCAL"] == 0, usage
     ptx = kernel.asm["ptx"]
     mmas = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
-    assert mmas == (2 if DUAL else 1) * (BN // 64) * (BK // 16) * 2, "one MMA per 16 doubled K rows and warp tile"
+    assert mmas == (2 if DUAL else 1) * (BN // 64) * (BK // 16) * 2 * (ROWS // 8), \
+        "one MMA per 16 doubled K rows, warp tile and 8 rows"
     assert "shfl.sync.idx.b32" in ptx and "ld.shared" not in ptx
     assert ("prmt.b32" in ptx) == (K == 2), "at K = 2 the byte-aligned states are picked by PRMT"
     assert ("dp4a.u32.u32" in ptx) == (CB == 2), "mul1's byte sum"

@@ -129,7 +129,8 @@ def emulate_mma() -> list:
     feeds and finishes them (doubled int32 activations, their block sums, the epilogues) runs under the
     interpreter: each chunk's rows (the low fp16 half of each int32) times its expert's weights, all in K split
     0, the other splits zero; at mul1 the weights are h (mul1_h), as the kernel leaves the codebook's FMA to the
-    epilogue (triton_exl3.mul1_affine). Returns the list of emulated launches' codebooks."""
+    epilogue (triton_exl3.mul1_affine); the dense path's experts decoded by triton_exl3. Returns the list of
+    emulated launches' codebooks."""
     gemm, calls = ops._gemm, []
 
     def inner(w, e):
@@ -151,8 +152,19 @@ def emulate_mma() -> list:
                 rows = slice(int(pos[c]), int(pos[c]) + int(length[c]))
                 p[0, rows] = x[rows] @ inner(layer, int(expert[c]))
 
-    ops.mma_refusal = lambda w, device: None
-    ops._gemm = mma_gemm
+    refusal, decode = ops.mma_refusal, ops.decode_experts
+
+    def allowed(w, device):
+        return None
+
+    def triton_decode(*args):  # the dense path's Gluon decoder cannot run here either: triton_exl3's does
+        ops.mma_refusal = refusal
+        try:
+            return decode(*args)
+        finally:
+            ops.mma_refusal = allowed
+
+    ops.mma_refusal, ops._gemm, ops.decode_experts = allowed, mma_gemm, triton_decode
     return calls
 
 
@@ -169,6 +181,27 @@ def test_mma_epilogues_interpreter():
     run_interpreted("\n".join(["calls = emulate_mma()", *(f"check_linear(*{c}, 'cpu')" for c in linear),
                                *(f"check_moe(**{c}, device='cpu')" for c in moe),
                                "assert calls.count('mul1') == 10 and calls.count('mcg') == 3, calls"]))
+
+
+def test_rows_regime_interpreter():
+    """Prefill-sized calls on grouped_mma ("rows": chunks of 32 rows, gate and up in two launches; emulate_mma),
+    and those of them with experts for the dense path, which take the tl.dot launches over the same chunks."""
+    pytest.importorskip("triton")
+    moe = [dict(SMALL_MOE[1], M=40), dict(SMALL_MOE[2], M=9), dict(M=20, E=16, hidden=128, inter=256, top_k=2, K=2,
+                                                                    codebook="mul1", skew=False)]
+    run_interpreted("\n".join([
+        "calls, launches, emulated = emulate_mma(), [], ops._gemm",
+        "ops._gemm = lambda *a: launches.append(a[-1]) or emulated(*a)", "ops.MMA_ROWS = ops.ROWS_MMA_TILED = 0",
+        "ops.ROWS_MMA = float('inf')",
+        *(f"check_linear(*{c}, 'cpu')" for c in SMALL_LINEAR), *(f"check_moe(**{c}, device='cpu')" for c in moe),
+        "assert launches and all(l.mma and l.BM == 32 for l in launches), launches",
+        "ops.DENSE_ROWS, ops.DENSE_REST = 12, 0", "hot, find = [], ops._hot_experts",
+        "ops._hot_experts = lambda *a: hot.append(find(*a)) or hot[-1]", "launches.clear()",
+        f"check_moe(**{dict(SMALL_MOE[2], M=24)}, device='cpu')",  # some experts dense, the rest on tl.dot
+        "assert hot[-1] is not None and not hot[-1].every and not any(l.mma for l in launches), (hot, launches)",
+        "assert all(l.BM == 32 for l in launches), launches", "launches.clear()",
+        f"check_moe(**{dict(SMALL_MOE[2], M=24, top_k=1)}, device='cpu')",  # none dense: still grouped_mma
+        "assert hot[-1] is None and launches and all(l.mma for l in launches), (hot, launches)"]))
 
 
 def test_gemv_interpreter():
@@ -267,7 +300,11 @@ def test_gemv_plan():
 def test_mma_plan(monkeypatch):
     launch = ops.plan(36, 1152, 5120, 1.0, 132, mma=True)
     assert launch.mma and not launch.gemv and launch.BM == 8
-    assert not ops.plan(36, 1152, 5120, 12.0, 132, mma=True).mma  # more rows per expert than a chunk holds
+    rows = ops.plan(36, 1152, 5120, 24.0, 132, mma=True)  # more rows per expert than 8: chunks of 32 ("rows")
+    assert rows.mma and rows.BM == 32 and rows.BN == 128  # 256 does not divide 1,152 columns
+    assert not ops.plan(36, 1152, 5120, 12.0, 132, mma=True).mma  # the tiled decoder's tl.dot launch up to 16
+    assert ops.plan(36, 1152, 5120, 12.0, 132, K=3, mma=True).BM == 32  # none at K = 3
+    assert not ops.plan(36, 1152, 5120, 200.0, 132, mma=True).mma
     assert ops.plan(36, 1152, 5120, 1.0, 132, K=3, mma=True).mma  # K = 3: no tiled decoder, but grouped_mma's
     monkeypatch.setitem(ops.TUNED, ("mma", True), (8, 32, 256, 4, 1))
     assert ops.plan(36, 1152, 5120, 1.0, 132, mma=True).BN == 128  # 256 does not divide 1,152 columns
@@ -283,6 +320,7 @@ def test_dense_rows():
     assert ops._dense_rows((k2, half), gpu) == untiled and ops._dense_rows((k2, k2), gpu) == ops.DENSE_ROWS
     assert ops._dense_rows((k5,), gpu) == ops.DENSE_ROWS and ops._dense_rows((half,), torch.device("cpu")) == \
         ops.DENSE_ROWS
+    assert ops._dense_rows((k2, half), gpu, rows=True) == ops.DENSE_ROWS  # grouped_mma takes the rest
 
 
 def test_route_groups_slots_by_expert():
@@ -346,16 +384,18 @@ GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
            for K in (2, 4, 1.5, 2.5, 3.5)]
 
 
-@pytest.fixture(params=["gather", "tiled", "tiled-swap", "tiled-gemv", "tiled-mma"])
+@pytest.fixture(params=["gather", "tiled", "tiled-swap", "tiled-gemv", "tiled-mma", "tiled-rows"])
 def decoder(request, monkeypatch):
     """The default launches, and each path on every case: gather, tiled on tensor cores (plain or swapped
     operands), tiled on CUDA cores (grouped_gemv, chunks of up to 2 rows), tiled on mma.sync (grouped_mma,
-    chunks of up to 8 rows, where it can run)."""
+    chunks of up to 8 rows, or of 32: "rows", where it can run)."""
     monkeypatch.setattr(ops, "DECODER", request.param.split("-")[0])
     if request.param != "tiled":
         monkeypatch.setattr(ops, "SWAP_AB", {"decode", "prefill"} if request.param.endswith("swap") else set())
         monkeypatch.setattr(ops, "GEMV_ROWS", float("inf") if request.param.endswith("gemv") else 0)
         monkeypatch.setattr(ops, "MMA_ROWS", float("inf") if request.param.endswith("mma") else 0)
+        monkeypatch.setattr(ops, "ROWS_MMA", float("inf") if request.param.endswith("rows") else 0)
+        monkeypatch.setattr(ops, "ROWS_MMA_TILED", 0)
     return request.param
 
 

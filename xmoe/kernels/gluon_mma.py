@@ -16,7 +16,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-ROWS = gl.constexpr(8)  # rows per chunk: the MMA's N
 # tile_layout's axes in (row, column) order: kt, j, t, r0 (input row 16 kt + 8 j + 2 t + r0), then nt, c3, g
 TILE_ORDER = gl.constexpr((3, 4, 6, 5, 0, 1, 2))
 
@@ -32,9 +31,10 @@ def tile_layout(TN, TK, warps):
 
 @gluon.constexpr_function
 def act_layout(BK, warps):
-    """Activations as (J, t, r0, m): input row 8 J + 2 t + r0 of row m of the chunk, every warp a copy; permuted to
+    """Activations as (J, t, r0, m): input row 8 J + 2 t + r0 of row m of the chunk, every warp a copy (the warps
+    lie along t, which the lanes already cover), row m in lane m % 8 (the MMA's n tiles, repeated); permuted to
     slot order (J, r0, t, m) and doubled, the mma.sync B operand's layout."""
-    return gl.BlockedLayout([BK // 8, 1, 2, 1], [1, 4, 1, 8], [1, 1, 1, warps], [2, 0, 1, 3])
+    return gl.BlockedLayout([BK // 8, 1, 2, 1], [1, 4, 1, 8], [1, warps, 1, 1], [2, 0, 1, 3])
 
 
 @gluon.constexpr_function
@@ -169,18 +169,18 @@ def halves(x):
 
 
 @gluon.jit
-def act_operand(x, BK: gl.constexpr, B: gl.constexpr):
-    """The (2 BK, 8) B operand from (BK/8, 4, 2, 8) doubled activations (int32: an fp16 value in both halves):
-    slot order, each value on two K rows."""
-    low, high = halves(gl.reshape(gl.permute(x, [0, 2, 1, 3]), [BK, 8]).to(gl.uint32, bitcast=True))
-    x = gl.reshape(gl.permute(gl.join(low, high), [0, 2, 1]), [2 * BK, 8])
+def act_operand(x, BK: gl.constexpr, ROWS: gl.constexpr, B: gl.constexpr):
+    """The (2 BK, ROWS) B operand from (BK/8, 4, 2, ROWS) doubled activations (int32: an fp16 value in both
+    halves): slot order, each value on two K rows."""
+    low, high = halves(gl.reshape(gl.permute(x, [0, 2, 1, 3]), [BK, ROWS]).to(gl.uint32, bitcast=True))
+    x = gl.reshape(gl.permute(gl.join(low, high), [0, 2, 1]), [2 * BK, ROWS])
     return gl.convert_layout(x, B, assert_trivial=True)
 
 
 @gluon.jit
 def load_step(words, rows, step, stride_step, lo_off, a_off, BK: gl.constexpr):
-    """One K step's trellis words (the one each lane's states end in) and activations (all ROWS rows of the chunk:
-    the rows buffers hold ROWS more than the call's, and rows past the chunk's length are never stored)."""
+    """One K step's trellis words (the one each lane's states end in) and activations (all rows of the chunk: the
+    rows buffers hold a chunk more than the call's, and rows past the chunk's length are never stored)."""
     lo = gl.load(words + step * stride_step + lo_off).to(gl.uint32, bitcast=True)
     return lo, gl.load(rows + a_off + step * BK)
 
@@ -188,10 +188,10 @@ def load_step(words, rows, step, stride_step, lo_off, a_off, BK: gl.constexpr):
 @gluon.jit
 def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, n_chunks_ptr, t0_ptr, t1_ptr,
                 p0_ptr, p1_ptr, P, k, n, stride_te, mask, W: gl.constexpr, CB: gl.constexpr, DUAL: gl.constexpr,
-                BN: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr):
+                BN: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr, ROWS: gl.constexpr):
     """grouped_gemv's contract (rotated rows as doubled fp16, triton_exl3.as_operand; chunks of up to ROWS
-    rows; fp32 partials per K split) on mma.sync. In each (chunk, column block, K split) program, warp w takes
-    the 16 columns from 16 w of every 16 * warps."""
+    rows, a multiple of 8: the MMA's N; fp32 partials per K split) on mma.sync. In each (chunk, column block,
+    K split) program, warp w takes the 16 columns from 16 w of every 16 * warps."""
     warps: gl.constexpr = gl.num_warps()
     TN: gl.constexpr = BN // 16
     TK: gl.constexpr = BK // 16
@@ -239,10 +239,10 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
         if DUAL:
             next_lo1, next_x1 = load_step(w1, a1_ptr, nxt, stride_step, lo_off, a_off, BK)
         w = decode_operand(lane_states(lo0, src, shift, lane, t, q, W), mask, CB, BN, BK, A)
-        acc0 = mma_v2(w, act_operand(x0, BK, B), acc0)
+        acc0 = mma_v2(w, act_operand(x0, BK, ROWS, B), acc0)
         if DUAL:
             w = decode_operand(lane_states(lo1, src, shift, lane, t, q, W), mask, CB, BN, BK, A)
-            acc1 = mma_v2(w, act_operand(x1, BK, B), acc1)
+            acc1 = mma_v2(w, act_operand(x1, BK, ROWS, B), acc1)
         lo0, x0, lo1, x1 = next_lo0, next_x0, next_lo1, next_x1
 
     cols = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)), 1)

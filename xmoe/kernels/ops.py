@@ -71,7 +71,8 @@ class Launch:
     tiled: bool = False  # decode_tiles (K = 1, 2, 4, 8: each tile's words loaded once), else per-weight gathers
     swap: bool = False  # tiled only: W^T a^T, the decoded weights as the MMA's wide first operand
     gemv: bool = False  # tiled only, BM 1 or 2: grouped_gemv, products on CUDA cores instead of tensor cores
-    mma: bool = False  # BM 8: gluon_mma's grouped_mma, weights decoded into mma.sync registers (CUDA, K <= 4)
+    mma: bool = False  # gluon_mma's grouped_mma, weights decoded into mma.sync registers (CUDA, K <= 4): BM 8, or
+    # a multiple of 8 for prefill (regime "rows")
 
 
 # (BM, BK, BN, warps, stages) per row regime and decoder, from timed sweeps on an H200 at DeepSeek-V4.1 shapes
@@ -89,9 +90,20 @@ GEMV_ROWS = 1.12
 # Expected rows per chunk up to which grouped_mma (chunks of 8 rows on mma.sync, gluon_mma) takes the call where
 # it can run; 0 turns it off.
 MMA_ROWS = 8
+# Beyond that, up to this many expected rows per chunk, grouped_mma still takes the call, in chunks of 32 rows (the
+# "rows" regime: four n tiles of the MMA, each decoded weight serving all 32 rows; gate and up in two launches, as
+# both together would spill); 0 turns it off. A prefill call with experts for the dense path (_find_hot) takes the
+# tl.dot launches instead, over the same chunks, as the dense product reads fp16 rows, not grouped_mma's doubled ones.
+# On the H200 at V4.1 shapes, 1,542 uniform tokens (24 rows an expert): K = 2 MCG 5.2 against 6.4 ms, K = 3 mul1 5.7
+# against 11.7; at 4,096 (64 rows, two chunks an expert) 12.6 against 9.9 and 13.0 against 11.3, hence 32.
+ROWS_MMA = 32
+# Where the tiled decoder can take the call, its tl.dot "decode" launches keep chunks of up to this many expected
+# rows: dense layers of 16 rows took as long or less that way (5120 x 2304, K = 2: 22.3 against 29.3 us), while at
+# K = 3 the "rows" regime took half the gather decoder's time from 16 rows on.
+ROWS_MMA_TILED = 16
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
          ("mma", True): (8, 32, 128, 4, 1), ("gemv", True): (2, 64, 64, 4, 1), ("decode", True): (16, 64, 64, 4, 2),
-         ("prefill", True): (64, 64, 128, 4, 1)}
+         ("prefill", True): (64, 64, 128, 4, 1), ("rows", True): (32, 16, 256, 4, 1)}
 
 
 # An expert with at least this many rows in one call (prefill) is decoded to fp16 once and multiplied by dense_gemm
@@ -121,16 +133,21 @@ COMBINE_STACKED = 16
 # without a limit it takes 64 and 40). More registers let it issue the next K step's loads earlier in the loop;
 # on the H200 at 72, in two alternating rounds, skewed calls of 6-48 tokens were 2-13% faster, uniform -1% to +4%.
 MMA_MAXNREG = (72, 72)
+ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spills: Triton 3.6, sm_90)
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
-# finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16).
-FILL = {"mma": 16, "gemv": 32, "decode": 4, "prefill": 4}
+# finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16). "rows"
+# splits only dense layers (a MoE prefill call has programs enough): 16 was 5-10% ahead of 4 at 16-32 rows.
+FILL = {"mma": 16, "rows": 16, "gemv": 32, "decode": 4, "prefill": 4}
 
 
 def regime(rows_per_chunk: float, tiled: bool = True, mma: bool = False) -> str:
     """The row regime, the key of TUNED and SWAP_AB: "mma" (where grouped_mma can run) up to MMA_ROWS rows per
-    chunk, "gemv" (tiled decoder only) for about one row per weight, "decode" for a few, else "prefill"."""
+    chunk and "rows" up to ROWS_MMA (with the tiled decoder, from ROWS_MMA_TILED), "gemv" (tiled decoder only)
+    for about one row per weight, "decode" for a few, else "prefill"."""
     if mma and rows_per_chunk <= MMA_ROWS:
         return "mma"
+    if mma and rows_per_chunk <= ROWS_MMA and not (tiled and rows_per_chunk <= ROWS_MMA_TILED):
+        return "rows"
     if tiled and rows_per_chunk <= GEMV_ROWS:
         return "gemv"
     return "decode" if rows_per_chunk <= 16 else "prefill"
@@ -175,13 +192,14 @@ def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float 
     splits to give each multiprocessor about FILL programs."""
     tiled = _tiled(K)
     mode = regime(rows_per_chunk, tiled and gemv, gemv and mma)
-    BM, BK, BN, warps, stages = TUNED[mode, tiled or mode == "mma"]
+    on_mma = mode in ("mma", "rows")
+    BM, BK, BN, warps, stages = TUNED[mode, tiled or on_mma]
     BN = min(BN, n)
     while n % BN:  # n is a multiple of 128, BN a power of two: every column block whole
         BN //= 2
     programs = max(chunks, 1) * (n // BN)
     split = max(1, min(k // BK, 16, -(-FILL[mode] * sms // programs)))  # epilogues read every split
-    return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and mode in SWAP_AB, mode == "gemv", mode == "mma")
+    return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and mode in SWAP_AB, mode == "gemv", on_mma)
 
 
 @lru_cache(maxsize=None)
@@ -266,13 +284,17 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
     grid = (bound, w.n // launch.BN, launch.split)
     tiled = launch.tiled and _tiled(w.K)
     if launch.mma:
-        from .gluon_mma import ROWS, grouped_mma
-        if launch.BM > ROWS:
-            raise ValueError(f"grouped_mma takes chunks of up to {ROWS} rows, the launch has {launch.BM}")
-        grouped_mma[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0,
-                          p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1],
-                          CB=CODEBOOK_ID[w.codebook], DUAL=second is not None, BN=launch.BN, BK=launch.BK,
-                          SPLIT=launch.split, num_warps=launch.warps, **_maxnreg(MMA_MAXNREG[second is None]))
+        from .gluon_mma import grouped_mma
+        if launch.BM % 8:
+            raise ValueError(f"grouped_mma takes chunks of a multiple of 8 rows, the launch has {launch.BM}")
+        prefill = launch.BM > TUNED["mma", True][0]  # the "rows" regime: gate and up one after the other
+        dual = second is not None and not prefill
+        registers = ROWS_MAXNREG if prefill else MMA_MAXNREG[second is None]
+        for a, t, p in [(a0, words, p0)] + ([(a1, other, p1)] if second is not None and prefill else []):
+            grouped_mma[grid](a, a1 if dual else a, pos, length, expert, count, t, other if dual else t, p,
+                              p1 if dual else p, p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1],
+                              CB=CODEBOOK_ID[w.codebook], DUAL=dual, BN=launch.BN, BK=launch.BK, SPLIT=launch.split,
+                              ROWS=launch.BM, num_warps=launch.warps, **_maxnreg(registers))
         return
     if tiled and launch.gemv:
         grouped_gemv[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0,
@@ -391,11 +413,12 @@ def _host_counts(n: int, device: str) -> torch.Tensor:
     return torch.empty(n, dtype=torch.int32, pin_memory=True)
 
 
-def _dense_rows(weights: tuple, device: torch.device) -> int:
+def _dense_rows(weights: tuple, device: torch.device, rows: bool = False) -> int:
     """Rows from which a call's expert goes dense: DENSE_ROWS, or DENSE_ROWS_UNTILED where a projection has no
-    tiled grouped decoder but gluon_mma's decode_weights (K = 3 and the half-integer K)."""
+    tiled grouped decoder but gluon_mma's decode_weights (K = 3 and the half-integer K), unless grouped_mma takes
+    the call's other experts (`rows`: its "rows" regime)."""
     untiled = any(not _tiled(w.K) and mma_refusal(w, device) is None for w in weights)
-    return DENSE_ROWS_UNTILED if untiled else DENSE_ROWS
+    return DENSE_ROWS_UNTILED if untiled and not rows else DENSE_ROWS
 
 
 def _hot_experts(found: tuple) -> Hot | None:
@@ -451,9 +474,8 @@ def _without(chunks: tuple, hot: Hot, experts: int) -> tuple:
 def _dense_call(M: int, launch: Launch, w: Exl3Weight, device: torch.device) -> bool:
     """Whether a call of M rows may take the dense path (and read the routing back, _hot_experts): only
     prefill-sized calls, never while a CUDA graph is being captured or torch.compile traces the call, and not
-    with grouped_mma's launch, whose activations (doubled fp16) the dense product does not read, nor at mul1
-    with grouped_gemv's fp32 ones: the epilogue would take the rows' sums of values the dense product reads in
-    fp16."""
+    with grouped_mma's launch, whose activations (doubled fp16) the dense product does not read, nor at mul1 with
+    grouped_gemv's fp32 ones: the epilogue would take the rows' sums of values the dense product reads in fp16."""
     if torch.compiler.is_compiling() or launch.mma or (launch.gemv and _mul1_h(w)):
         return False
     return M >= DENSE_ROWS and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
@@ -545,13 +567,21 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K, gemv=False)
         down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, gemv=False)
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
+    # prefill on grouped_mma ("rows"): with experts for the dense path, the tl.dot launches over the same chunks
+    rows = up_launch.mma and up_launch.BM > TUNED["mma", True][0]
+    dot = rows and tuple(replace(plan(unique, w.n, w.k, P / unique, sms, w.K, gemv=False), BM=up_launch.BM)
+                         for w in (g, d))
     r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
-    found = None
-    if _dense_call(M, up_launch, g, dev):
-        found = _find_hot(r, P, E, _dense_tile(dev)[0], _dense_rows((g, experts.up, d), dev), dev)
-    # the GPU rotates while the host waits for the counts of the dense experts
+    found, hot = None, None
+    if _dense_call(M, dot[0] if rows else up_launch, g, dev):
+        found = _find_hot(r, P, E, _dense_tile(dev)[0], _dense_rows((g, experts.up, d), dev, rows), dev)
+    if rows and found:  # the rows' format waits for the dense experts
+        hot, found = _hot_experts(found), None
+        up_launch, down_launch = dot if hot else (up_launch, down_launch)
+    # otherwise the GPU rotates while the host waits for the counts of the dense experts
     a0, a1, s0, s1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
-    hot = _hot_experts(found) if found else None
+    if found:
+        hot = _hot_experts(found)
     grouped = not (hot and hot.every)  # some experts are left to the grouped kernels
     chunks = _without(r.chunks, hot, E) if hot and grouped else r.chunks
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)
