@@ -268,6 +268,11 @@ def _sums(P: int, cols: int, w: Exl3Weight, device: torch.device) -> torch.Tenso
     return torch.empty((P, cols // 128) if _mul1_h(w) else (1,), device=device, dtype=torch.float32)
 
 
+def _rows_regime(launch: Launch) -> bool:
+    """Whether a launch is grouped_mma's "rows" regime: chunks of more rows than its decode launch's."""
+    return launch.mma and launch.BM > TUNED["mma", True][0]
+
+
 def _maxnreg(registers: int) -> dict:
     return {"maxnreg": registers} if registers else {}
 
@@ -287,7 +292,7 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
         from .gluon_mma import grouped_mma
         if launch.BM % 8:
             raise ValueError(f"grouped_mma takes chunks of a multiple of 8 rows, the launch has {launch.BM}")
-        prefill = launch.BM > TUNED["mma", True][0]  # the "rows" regime: gate and up one after the other
+        prefill = _rows_regime(launch)  # gate and up one after the other
         dual = second is not None and not prefill
         registers = ROWS_MAXNREG if prefill else MMA_MAXNREG[second is None]
         for a, t, p in [(a0, words, p0)] + ([(a1, other, p1)] if second is not None and prefill else []):
@@ -568,14 +573,14 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, gemv=False)
     down_launch = replace(down_launch, BM=up_launch.BM)  # the same chunks, so the same BM
     # prefill on grouped_mma ("rows"): with experts for the dense path, the tl.dot launches over the same chunks
-    rows = up_launch.mma and up_launch.BM > TUNED["mma", True][0]
+    rows = _rows_regime(up_launch)
     dot = rows and tuple(replace(plan(unique, w.n, w.k, P / unique, sms, w.K, gemv=False), BM=up_launch.BM)
                          for w in (g, d))
     r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
     found, hot = None, None
     if _dense_call(M, dot[0] if rows else up_launch, g, dev):
         found = _find_hot(r, P, E, _dense_tile(dev)[0], _dense_rows((g, experts.up, d), dev, rows), dev)
-    if rows and found:  # the rows' format waits for the dense experts
+    if rows and found:  # the rotation's format waits for the dense experts
         hot, found = _hot_experts(found), None
         up_launch, down_launch = dot if hot else (up_launch, down_launch)
     # otherwise the GPU rotates while the host waits for the counts of the dense experts
