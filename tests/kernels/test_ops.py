@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from cases import random_experts, random_weight, routing  # noqa: E402
 
-from xmoe.format.trellis import decode_inner  # noqa: E402
+from xmoe.format.trellis import decode_inner, state_windows  # noqa: E402
 from xmoe.kernels import ops  # noqa: E402
 from xmoe.kernels.reference import exl3_linear_ref, fused_moe_ref  # noqa: E402
 from xmoe.kernels.routing import Routing, route  # noqa: E402
@@ -305,11 +305,21 @@ def test_mma_plan(monkeypatch):
     assert not ops.plan(36, 1152, 5120, 12.0, 132, mma=True).mma  # the tiled decoder's tl.dot launch up to 16
     assert ops.plan(36, 1152, 5120, 12.0, 132, K=3, mma=True).BM == 32  # none at K = 3
     assert not ops.plan(36, 1152, 5120, 200.0, 132, mma=True).mma
+    assert ops.plan(1, 2304, 5120, 64.0, 132, K=3, mma=True, rows_mma=127).BM == 32  # a K = 3 dense layer's reach
     assert ops.plan(36, 1152, 5120, 1.0, 132, K=3, mma=True).mma  # K = 3: no tiled decoder, but grouped_mma's
     monkeypatch.setitem(ops.TUNED, ("mma", True), (8, 32, 256, 4, 1))
     assert ops.plan(36, 1152, 5120, 1.0, 132, mma=True).BN == 128  # 256 does not divide 1,152 columns
     w = random_weight(256, 256, 8, "mul1")
     assert "K = 8" in ops.mma_refusal(w, torch.device("cuda")) and "CUDA" in ops.mma_refusal(w, torch.device("cpu"))
+
+
+def test_gather_tables_made_eagerly():
+    """The gather decoder's state windows are made by every eager call, whichever path it takes, so that a CUDA
+    graph capture that gathers finds them (a host table cannot be copied inside a capture)."""
+    ops._windows.cache_clear()
+    w = random_weight(256, 256, 3, "mcg")
+    ops._eager_tables((w, random_weight(256, 256, 2, "mcg")), torch.device("cpu"))
+    assert ops._windows.cache_info().currsize == 2 and torch.equal(ops._windows(3, "cpu"), state_windows(3))
 
 
 def test_dense_rows():
@@ -489,20 +499,21 @@ def test_linear_cuda_graph_replay_equals_eager():
         pytest.skip("no CUDA GPU")
     w = random_weight(1024, 512, 2, "mcg", device="cuda")
     ops.exl3_linear(torch.randn(4, 1024, device="cuda", dtype=torch.float16), w, backend="triton")  # compiles
-    for M, eager_first in ((3, False), (5, True)):
+    k3 = random_weight(1024, 512, 3, "mul1", device="cuda")  # at 48 rows: grouped_mma's "rows" regime
+    for M, eager_first, layer in ((3, False, w), (5, True, w), (48, True, k3)):
         x = torch.randn(M, 1024, device="cuda", dtype=torch.float16)
         if eager_first:
-            ops.exl3_linear(x, w, backend="triton")
+            ops.exl3_linear(x, layer, backend="triton")
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            out = ops.exl3_linear(x, w, backend="triton")
+            out = ops.exl3_linear(x, layer, backend="triton")
         torch.cuda.current_stream().wait_stream(stream)
         for _ in range(2):
             x.normal_()
             graph.replay()
-            assert torch.equal(out, ops.exl3_linear(x, w, backend="triton")), M
+            assert torch.equal(out, ops.exl3_linear(x, layer, backend="triton")), M
 
 
 def test_triton_routes_equal_route_interpreter():

@@ -140,13 +140,13 @@ ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spil
 FILL = {"mma": 16, "rows": 16, "gemv": 32, "decode": 4, "prefill": 4}
 
 
-def regime(rows_per_chunk: float, tiled: bool = True, mma: bool = False) -> str:
+def regime(rows_per_chunk: float, tiled: bool = True, mma: bool = False, rows_mma: float | None = None) -> str:
     """The row regime, the key of TUNED and SWAP_AB: "mma" (where grouped_mma can run) up to MMA_ROWS rows per
-    chunk and "rows" up to ROWS_MMA (with the tiled decoder, from ROWS_MMA_TILED), "gemv" (tiled decoder only)
-    for about one row per weight, "decode" for a few, else "prefill"."""
+    chunk and "rows" up to `rows_mma` (ROWS_MMA unless given; with the tiled decoder, from ROWS_MMA_TILED), "gemv"
+    (tiled decoder only) for about one row per weight, "decode" for a few, else "prefill"."""
     if mma and rows_per_chunk <= MMA_ROWS:
         return "mma"
-    if mma and rows_per_chunk <= ROWS_MMA and not (tiled and rows_per_chunk <= ROWS_MMA_TILED):
+    if mma and rows_per_chunk <= (rows_mma or ROWS_MMA) and not (tiled and rows_per_chunk <= ROWS_MMA_TILED):
         return "rows"
     if tiled and rows_per_chunk <= GEMV_ROWS:
         return "gemv"
@@ -187,11 +187,12 @@ def _gluon_refusal() -> str | None:
 
 
 def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float = 2, gemv: bool = True,
-         mma: bool = False) -> Launch:
-    """Tile sizes by regime (gemv=False: never grouped_gemv or grouped_mma; mma: grouped_mma can run); enough K
-    splits to give each multiprocessor about FILL programs."""
+         mma: bool = False, rows_mma: float | None = None) -> Launch:
+    """Tile sizes by regime (gemv=False: never grouped_gemv or grouped_mma; mma: grouped_mma can run; rows_mma:
+    the "rows" regime's last rows per chunk, ROWS_MMA unless given); enough K splits to give each multiprocessor
+    about FILL programs."""
     tiled = _tiled(K)
-    mode = regime(rows_per_chunk, tiled and gemv, gemv and mma)
+    mode = regime(rows_per_chunk, tiled and gemv, gemv and mma, rows_mma)
     on_mma = mode in ("mma", "rows")
     BM, BK, BN, warps, stages = TUNED[mode, tiled or on_mma]
     BN = min(BN, n)
@@ -210,6 +211,16 @@ def _had(device: str) -> torch.Tensor:
 @lru_cache(maxsize=None)
 def _windows(K: float, device: str) -> torch.Tensor:
     return state_windows(K).to(device)
+
+
+def _eager_tables(weights: tuple, device: torch.device) -> None:
+    """Makes the tables that the gather decoder reads (_windows) outside any CUDA-graph capture: a capture may take
+    that path where the eager calls before it did not (inside graphs there is no dense path), and a host table
+    cannot be copied to the GPU while a capture runs."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    for w in weights:
+        _windows(w.K, str(device))
 
 
 def _sms(device: torch.device) -> int:
@@ -526,7 +537,11 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
     from .triton_exl3 import linear_epilogue
     a = _padded_rows(x, w.k)
     M = a.shape[0]
-    launch = plan(-(-M // 16), w.n, w.k, M, _sms(x.device), w.K, mma=mma_refusal(w, x.device) is None)
+    _eager_tables((w,), x.device)
+    # without the tiled decoder, grouped_mma's chunks up to the dense path's rows: the gather decoder took 142-174 us
+    # at 64 rows (H200, 5120 x 2304 and 2304 x 5120, K = 3), two chunks of 32 rows 37-38
+    launch = plan(-(-M // 16), w.n, w.k, M, _sms(x.device), w.K, mma=mma_refusal(w, x.device) is None,
+                  rows_mma=None if _tiled(w.K) or not ROWS_MMA else DENSE_ROWS - 1)
     dev = x.device
     chunks, rows, zeros = _row_chunks(M, launch.BM, dev)
     a0, _, sums, _ = _rotate(a, rows, zeros, w, None, M, launch)
@@ -562,6 +577,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     M, top_k = topk_ids.shape
     P, E, dev = M * top_k, experts.count, x.device
     g, d = experts.gate, experts.down
+    _eager_tables((g, experts.up, d), dev)
     sms = _sms(dev)
     unique = expected_experts(P, E)
     mma = mma_refusal(g, dev) is None and mma_refusal(d, dev) is None
