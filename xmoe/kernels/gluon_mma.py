@@ -16,6 +16,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from .triton_exl3 import MUL1_H_PTX
+
 # tile_layout's axes in (row, column) order: kt, j, t, r0 (input row 16 kt + 8 j + 2 t + r0), then nt, c3, g
 TILE_ORDER = gl.constexpr((3, 4, 6, 5, 0, 1, 2))
 
@@ -140,9 +142,8 @@ def codewords(state, mask, CB: gl.constexpr, MUL1_H: gl.constexpr):
     products (triton_exl3.mul1_affine)."""
     if CB == 2:
         if MUL1_H:
-            return gl.inline_asm_elementwise(
-                "{ .reg .b32 m, z; mov.b32 m, 0x01010101; mov.b32 z, 0x6400; dp4a.u32.u32 $0, $1, m, z; }", "=r,r",
-                [state * 0x83DCD12D], dtype=gl.uint32, is_pure=True, pack=1)
+            return gl.inline_asm_elementwise(MUL1_H_PTX, "=r,r", [state * 0x83DCD12D], dtype=gl.uint32, is_pure=True,
+                                             pack=1)
         return gl.inline_asm_elementwise(
             "{ .reg .b32 m, z, h, k, c; mov.b32 m, 0x01010101; mov.b32 z, 0x6400; dp4a.u32.u32 h, $1, m, z; "
             "mov.b32 k, 0x1EEE1EEE; mov.b32 c, 0x0000C931; fma.rn.f16x2 $0, h, k, c; }", "=r,r",

@@ -48,6 +48,10 @@ def codebook_fp16(state, CB: tl.constexpr):
     return v
 
 
+# mul1's h = 1024 + the byte sum of $1 (the state times 0x83DCD12D), as fp16 bits, in one dp4a (inline PTX)
+MUL1_H_PTX = tl.constexpr("{ .reg .b32 m, z; mov.b32 m, 0x01010101; mov.b32 z, 0x6400; dp4a.u32.u32 $0, $1, m, z; }")
+
+
 @triton.jit
 def codebook_operand(state, CB: tl.constexpr, MUL1_H: tl.constexpr, ASM: tl.constexpr):
     """codebook_fp16, except that with MUL1_H mul1 gives h = 1024 + its byte sum, the value before the format's
@@ -56,9 +60,7 @@ def codebook_operand(state, CB: tl.constexpr, MUL1_H: tl.constexpr, ASM: tl.cons
     if CB == 2 and MUL1_H:
         x = state * 0x83DCD12D
         if ASM:
-            h = tl.inline_asm_elementwise(
-                "{ .reg .b32 m, z; mov.b32 m, 0x01010101; mov.b32 z, 0x6400; dp4a.u32.u32 $0, $1, m, z; }", "=r,r",
-                [x], dtype=tl.uint32, is_pure=True, pack=1)
+            h = tl.inline_asm_elementwise(MUL1_H_PTX, "=r,r", [x], dtype=tl.uint32, is_pure=True, pack=1)
             return h.to(tl.uint16).to(tl.float16, bitcast=True)
         return ((x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24) + 1024).to(tl.float16)
     return codebook_fp16(state, CB)
