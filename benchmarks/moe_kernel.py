@@ -12,9 +12,11 @@ the host queueing the next call while the GPU runs this one. The 40-layer stack 
 experts, as a model has.
 
     python benchmarks/moe_kernel.py [--tokens 6 12 24 48 1542 4096] [--no-stock] [--layers 40] [--pipelined]
-                                    [--json F]
+                                    [--versus ROWS_MMA=0] [--json F]
 """
 import argparse
+import ast
+import contextlib
 import copy
 import itertools
 import json
@@ -154,7 +156,35 @@ def run_case(T, skew, experts, stock, bw, dense, dev, eager=time_eager):
     return result
 
 
-def stack_step(layers, experts, stock, dev, tokens=6, distinct=True):
+def settings(pairs: list):
+    """A context manager that sets ops attributes from ["NAME=VALUE", ...] (Python literals, else strings) and
+    restores them; None for no pairs."""
+    if not pairs:
+        return None
+    values = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if not hasattr(ops, name):
+            raise SystemExit(f"--versus: xmoe.kernels.ops has no setting {name!r}")
+        try:
+            values[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            values[name] = value  # DECODER=gather
+
+    @contextlib.contextmanager
+    def applied():
+        saved = {name: getattr(ops, name) for name in values}
+        for name, value in values.items():
+            setattr(ops, name, value)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(ops, name, value)
+    return applied
+
+
+def stack_step(layers, experts, stock, dev, tokens=6, distinct=True, versus=None):
     """One decode step through `layers` MoE layers (RMS norm, router, routed experts, bf16 shared expert),
     graphed. Each layer has its own experts as in a model (distinct=False: all share one set, which L2 partly
     caches). Without the norm the residual grows until every token picks the same experts."""
@@ -184,6 +214,10 @@ def stack_step(layers, experts, stock, dev, tokens=6, distinct=True):
     out["other_us"] = time_graph(lambda: step(lambda l, h, i, w: h * w[:, :1].half()), reps=20) * 1e6  # no experts
     out["ours_us"] = time_graph(lambda: step(lambda l, h, i, w: ops.fused_moe(h, i, w, sets[l], backend="triton")),
                                 reps=20) * 1e6
+    if versus:
+        with versus():
+            out["versus_us"] = time_graph(
+                lambda: step(lambda l, h, i, w: ops.fused_moe(h, i, w, sets[l], backend="triton")), reps=20) * 1e6
     if stock is not None:
         try:
             out["stock_us"] = time_graph(lambda: step(lambda l, h, i, w: stocks[l].decode(h, i, w.half())),
@@ -292,6 +326,9 @@ def main():
                    help="registers a thread grouped_mma may take (ops.MMA_MAXNREG; 0: the compiler's choice)")
     p.add_argument("--rows-maxnreg", type=int, default=ops.ROWS_MAXNREG,
                    help="the same in the \"rows\" regime (ops.ROWS_MAXNREG)")
+    p.add_argument("--versus", nargs="+", metavar="ATTR=VALUE", default=[],
+                   help="also time our side of every case with these ops settings (e.g. ROWS_MMA=0), just after "
+                        "the default's, in the same process")
     p.add_argument("--pipelined", action="store_true", help="time eager calls back to back (else one at a time)")
     p.add_argument("--json")
     args = p.parse_args()
@@ -331,9 +368,15 @@ def main():
     print(row(("tokens", "routing", "uniq", "MB", "stock us", "ours us", "speedup", "GB/s", "%bw", "Tw/s",
                "bf16 us", "rel diff"), widths))
     results = []
+    versus = settings(args.versus)
     for T in args.tokens:
         for skew in (False, True):
             r = run_case(T, skew, experts, stock, bw, dense, dev, time_pipelined if args.pipelined else time_eager)
+            if versus:
+                with versus():
+                    r["versus_us"] = run_case(T, skew, experts, None, bw, None, dev,
+                                              time_pipelined if args.pipelined else time_eager)["ours_us"]
+                print(f"  {' '.join(args.versus)}: {r['versus_us']:.1f} us")
             results.append(r)
             print(row((T, r["routing"], r["unique_experts"], f"{r['mbytes']:.0f}", f"{r.get('stock_us', 0):.1f}",
                        f"{r['ours_us']:.1f}", f"{r.get('speedup', 0):.2f}", f"{r['ours_gbs']:.0f}",
@@ -344,13 +387,16 @@ def main():
                     print(f"  {key}: {r[key]}")
     dense = None
     torch.cuda.empty_cache()
-    step = stack_step(args.layers, experts, stock, dev, distinct=not args.shared_experts) if args.layers else None
+    step = stack_step(args.layers, experts, stock, dev, distinct=not args.shared_experts,
+                      versus=versus) if args.layers else None
     if step:
         print(f"\n{step['layers']}-layer MoE step ({'distinct' if step['distinct_experts'] else 'shared'} experts per "
               f"layer), {step['tokens']} tokens, one CUDA graph: ours "
               f"{step['ours_us']:.0f} us, stock {step.get('stock_us', 0):.0f} us, ours/stock "
               f"{step.get('ratio', 0):.2f} {step.get('stock_error', '')}\n  {step['experts_per_layer']:.1f} distinct "
               f"experts per layer; router, shared expert and residual alone {step['other_us']:.0f} us")
+        if versus:
+            print(f"  {' '.join(args.versus)}: ours {step['versus_us']:.0f} us")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), copy_gbs=bw / 1e9,
                                                    pipelined=args.pipelined, cases=results, stack=step), indent=1))
