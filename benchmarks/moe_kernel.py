@@ -16,12 +16,12 @@ experts, as a model has.
 """
 import argparse
 import ast
-import contextlib
 import copy
 import itertools
 import json
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -157,8 +157,8 @@ def run_case(T, skew, experts, stock, bw, dense, dev, eager=time_eager):
 
 
 def settings(pairs: list):
-    """A context manager that sets ops attributes from ["NAME=VALUE", ...] (Python literals, else strings) and
-    restores them; None for no pairs."""
+    """A maker of context managers that set ops attributes from ["NAME=VALUE", ...] (Python literals, else
+    strings) and restore them; None for no pairs."""
     if not pairs:
         return None
     values = {}
@@ -171,17 +171,7 @@ def settings(pairs: list):
         except (ValueError, SyntaxError):
             values[name] = value  # DECODER=gather
 
-    @contextlib.contextmanager
-    def applied():
-        saved = {name: getattr(ops, name) for name in values}
-        for name, value in values.items():
-            setattr(ops, name, value)
-        try:
-            yield
-        finally:
-            for name, value in saved.items():
-                setattr(ops, name, value)
-    return applied
+    return lambda: mock.patch.multiple(ops, **values)
 
 
 def stack_step(layers, experts, stock, dev, tokens=6, distinct=True, versus=None):
@@ -212,12 +202,11 @@ def stack_step(layers, experts, stock, dev, tokens=6, distinct=True, versus=None
     step(lambda l, h, i, w: seen.append(i.unique().numel()) or torch.zeros_like(h))
     out["experts_per_layer"] = sum(seen) / len(seen)
     out["other_us"] = time_graph(lambda: step(lambda l, h, i, w: h * w[:, :1].half()), reps=20) * 1e6  # no experts
-    out["ours_us"] = time_graph(lambda: step(lambda l, h, i, w: ops.fused_moe(h, i, w, sets[l], backend="triton")),
-                                reps=20) * 1e6
+    ours = lambda: step(lambda l, h, i, w: ops.fused_moe(h, i, w, sets[l], backend="triton"))  # noqa: E731
+    out["ours_us"] = time_graph(ours, reps=20) * 1e6
     if versus:
         with versus():
-            out["versus_us"] = time_graph(
-                lambda: step(lambda l, h, i, w: ops.fused_moe(h, i, w, sets[l], backend="triton")), reps=20) * 1e6
+            out["versus_us"] = time_graph(ours, reps=20) * 1e6
     if stock is not None:
         try:
             out["stock_us"] = time_graph(lambda: step(lambda l, h, i, w: stocks[l].decode(h, i, w.half())),
@@ -369,13 +358,13 @@ def main():
                "bf16 us", "rel diff"), widths))
     results = []
     versus = settings(args.versus)
+    eager = time_pipelined if args.pipelined else time_eager
     for T in args.tokens:
         for skew in (False, True):
-            r = run_case(T, skew, experts, stock, bw, dense, dev, time_pipelined if args.pipelined else time_eager)
+            r = run_case(T, skew, experts, stock, bw, dense, dev, eager)
             if versus:
                 with versus():
-                    r["versus_us"] = run_case(T, skew, experts, None, bw, None, dev,
-                                              time_pipelined if args.pipelined else time_eager)["ours_us"]
+                    r["versus_us"] = run_case(T, skew, experts, None, bw, None, dev, eager)["ours_us"]
                 print(f"  {' '.join(args.versus)}: {r['versus_us']:.1f} us")
             results.append(r)
             print(row((T, r["routing"], r["unique_experts"], f"{r['mbytes']:.0f}", f"{r.get('stock_us', 0):.1f}",
