@@ -136,8 +136,11 @@ MMA_MAXNREG = (72, 72)
 ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spills: Triton 3.6, sm_90)
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
 # finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16). "rows"
-# splits only dense layers (a MoE prefill call has programs enough): 16 was 5-10% ahead of 4 at 16-32 rows.
-FILL = {"mma": 16, "rows": 16, "gemv": 32, "decode": 4, "prefill": 4}
+# splits only dense layers (a MoE prefill call has programs enough): 16 was 5-10% ahead of 4 at 16-32 rows. The
+# split counts chunks as uniform routing would make them, so skewed calls, with fewer experts, get too few programs:
+# on the H200 "mma" at 24 against 16 took 201 against 249 us at 24 skewed tokens, 161 against 166 at 12, and as
+# long within 1% at 6-48 uniform tokens (docs/data/moe_kernel_h200_fifteenth_fill.txt).
+FILL = {"mma": 24, "rows": 16, "gemv": 32, "decode": 4, "prefill": 4}
 
 
 def regime(rows_per_chunk: float, tiled: bool = True, mma: bool = False, rows_mma: float | None = None) -> str:
