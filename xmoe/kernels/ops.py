@@ -139,7 +139,7 @@ ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spil
 # splits only dense layers (a MoE prefill call has programs enough): 16 was 5-10% ahead of 4 at 16-32 rows. The
 # split counts chunks as uniform routing would make them, so skewed calls, with fewer experts, get too few programs:
 # on the H200 "mma" at 24 against 16 took 201 against 249 us at 24 skewed tokens, 161 against 166 at 12, and as
-# long within 1% at 6-48 uniform tokens (docs/data/moe_kernel_h200_fifteenth_fill.txt).
+# long within 2% at 6-48 uniform tokens (docs/data/moe_kernel_h200_fifteenth_fill.txt, _fifteenth.txt).
 FILL = {"mma": 24, "rows": 16, "gemv": 32, "decode": 4, "prefill": 4}
 
 
