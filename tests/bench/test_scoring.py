@@ -1,5 +1,4 @@
 """Scoring with hand-made inputs: GSM8K answers, BFCL tool calls, the needle's placement, Prometheus counters."""
-import json
 
 import pytest
 

@@ -1,6 +1,5 @@
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -14,10 +13,9 @@ from safetensors import safe_open
 from checkpoints import fp8_with_scale, save_deepseek_native, save_fused_qwen3, save_hf
 from xmoe.format import decode_weight
 from xmoe.quant.convert import PARTIAL, REPORT, convert, load_expert
-from xmoe.quant.experts import find_experts
 from xmoe.quant.plan import INDEX, ConvertOptions, make_plan, read_source
 from xmoe.quant.source import dequantize
-from xmoe.quant.st_io import CheckpointError, copy_chunks, read_header
+from xmoe.quant.st_io import copy_chunks, read_header
 
 pytest.importorskip("transformers")
 BEAM = ConvertOptions(bits=2, codebook="mcg", encoder="beam", beam_width=16)

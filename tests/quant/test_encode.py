@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from xmoe.format import TARGET_STD, check_tail_biting, codebook_table, pack_states, unpack_states
+from xmoe.format import check_tail_biting, codebook_table, pack_states, unpack_states
 from xmoe.quant import encode_tiles
 
 # Normalised MSE bounds on i.i.d. Gaussian tiles at the codebook's std (few tiles, so a little slack).

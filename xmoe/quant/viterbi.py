@@ -47,7 +47,6 @@ def _run(tiles, values, positions, D, first_cost):
 
 def viterbi_torch(tiles: torch.Tensor, K: float, codebook: str, warmup: int = 128) -> torch.Tensor:
     """tiles: float32 (T, 256) in trellis order -> int64 states (T, 256) of a closed trellis path."""
-    T = tiles.shape[0]
     dev = tiles.device
     values = codebook_table(codebook, dev).float()
     D, _ = _layout(K)
