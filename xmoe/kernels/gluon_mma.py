@@ -229,11 +229,10 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
     stride_step = TK * (n // 16) * W
     acc0 = gl.zeros([BN, ROWS], gl.float32, MMA)
     acc1 = gl.zeros([BN, ROWS], gl.float32, MMA)
-    start = gl.minimum(first, last - 1)  # past the end in an empty split (more splits than steps need): unused
-    lo0, x0 = load_step(w0, a0_ptr, start, stride_step, lo_off, a_off, BK)
+    lo0, x0 = load_step(w0, a0_ptr, first, stride_step, lo_off, a_off, BK)
     lo1, x1 = lo0, x0
     if DUAL:
-        lo1, x1 = load_step(w1, a1_ptr, start, stride_step, lo_off, a_off, BK)
+        lo1, x1 = load_step(w1, a1_ptr, first, stride_step, lo_off, a_off, BK)
     for step in range(first, last):  # the next step's words and rows are loaded before this step is decoded
         nxt = gl.minimum(step + 1, last - 1)
         next_lo0, next_x0 = load_step(w0, a0_ptr, nxt, stride_step, lo_off, a_off, BK)

@@ -289,7 +289,7 @@ def grouped_gemm(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr,
     stride_step = (BK // 16) * n_tiles * W  # words per K step, within one expert: fits int32
     a_off = pos[:, None] * k + kr[None, :]
     if TILED:  # the next step's words are loaded before this step is decoded, to hide their latency
-        block = tl.minimum(first, last - 1) * stride_step  # an empty split's (first past the end) goes unused
+        block = first * stride_step
         lo0, hi0 = load_words(w0_base + block, lo_off, hi_off)
         lo1, hi1 = lo0, hi0
         if DUAL:

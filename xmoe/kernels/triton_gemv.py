@@ -70,7 +70,7 @@ def gemv_rows(a0_ptr, a1_ptr, w0_base, w1_base, p0_ptr, p1_ptr, pos, P, k, n, ma
     acc3 = tl.zeros((BK, BN), tl.float32)
     stride_step = (BK // 16) * (n // 16) * W
     a_off = pos * k + tl.arange(0, BK)
-    block = tl.minimum(first, last - 1) * stride_step  # an empty split's (first past the end) goes unused
+    block = first * stride_step
     lo0, hi0 = load_words(w0_base + block, lo_off, hi_off)
     lo1, hi1 = lo0, hi0
     if DUAL:
