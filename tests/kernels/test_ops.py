@@ -297,6 +297,17 @@ def test_gemv_plan():
     assert not ops.plan(36, 1152, 5120, 1.0, 132, K=3).gemv  # the gather decoder has no CUDA-core path
 
 
+@pytest.mark.parametrize("chunks", [1, 6, 18, 35, 68, 202])
+@pytest.mark.parametrize("n, k", [(1152, 5120), (5120, 1152), (5120, 2304), (2304, 5120)])
+def test_plan_leaves_no_split_empty(chunks, n, k):
+    """Each K split gets ceil(steps / split) steps in the kernels; the plan never has a split past the last step,
+    which would load a step beyond the weight's words before its empty loop."""
+    for rows, mma in ((1.0, True), (6.0, True), (24.0, True), (1.0, False), (64.0, False)):
+        launch = ops.plan(chunks, n, k, rows, 132, mma=mma)
+        steps = k // launch.BK
+        assert (launch.split - 1) * -(-steps // launch.split) < steps, (launch, steps)
+
+
 def test_mma_plan(monkeypatch):
     launch = ops.plan(36, 1152, 5120, 1.0, 132, mma=True)
     assert launch.mma and not launch.gemv and launch.BM == 8

@@ -202,7 +202,9 @@ def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float 
     while n % BN:  # n is a multiple of 128, BN a power of two: every column block whole
         BN //= 2
     programs = max(chunks, 1) * (n // BN)
-    split = max(1, min(k // BK, 16, -(-FILL[mode] * sms // programs)))  # epilogues read every split
+    steps = k // BK
+    split = max(1, min(steps, 16, -(-FILL[mode] * sms // programs)))  # epilogues read every split
+    split = -(-steps // -(-steps // split))  # no split left without steps (the kernels give each ceil(steps / split))
     return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and mode in SWAP_AB, mode == "gemv", on_mma)
 
 
