@@ -103,32 +103,34 @@ def gluon_kernels(arch: int, codebook: str) -> None:
     RM, RK, RN, _, _ = ops.TUNED["rows", True]  # the same warps
     mma_args = {**dict(ARGS[:8]), "p0_ptr": "*fp32", "p1_ptr": "*fp32", **dict(ARGS[11:]), "mask": "i32"}
     mma_args.update(a0_ptr="*i32", a1_ptr="*i32")  # doubled fp16
+    del mma_args["n"]  # a constexpr of grouped_mma
     decode_args = {"t_ptr": "*i32", "expert_ptr": "*i32", "out_ptr": "*fp16", "k": "i32", "n": "i32",
                    "stride_te": "i32", "mask": "i32"}
     CB = ops.CODEBOOK_ID[codebook]
     print(f"gluon_mma, {codebook}, sm_{arch}, Triton {triton.__version__}, BN={BN} BK={BK} warps={warps}")
     for K in (1, 2, 3, 4) + ((1.5, 2.5, 3.5) if codebook == "mul1" else ()):
+        mma = dict(n=1152, W=int(8 * K), CB=CB, SPLIT=1)  # n: V4.1's gate and up
         for name, fn, args, consts, registers in (
                 ("grouped_mma dual", gluon_mma.grouped_mma, mma_args,
-                 dict(W=int(8 * K), CB=CB, DUAL=True, BN=BN, BK=BK, SPLIT=1, ROWS=8), ops.MMA_MAXNREG[0]),
+                 dict(mma, DUAL=True, BN=BN, BK=BK, ROWS=8, UNROLL=ops.MMA_UNROLL[0]), ops.MMA_MAXNREG[0]),
                 ("grouped_mma", gluon_mma.grouped_mma, mma_args,
-                 dict(W=int(8 * K), CB=CB, DUAL=False, BN=BN, BK=BK, SPLIT=1, ROWS=8), ops.MMA_MAXNREG[1]),
+                 dict(mma, DUAL=False, BN=BN, BK=BK, ROWS=8, UNROLL=ops.MMA_UNROLL[1]), ops.MMA_MAXNREG[1]),
                 ("grouped_mma rows", gluon_mma.grouped_mma, mma_args,
-                 dict(W=int(8 * K), CB=CB, DUAL=False, BN=RN, BK=RK, SPLIT=1, ROWS=RM), ops.ROWS_MAXNREG),
+                 dict(mma, DUAL=False, BN=RN, BK=RK, ROWS=RM, UNROLL=1), ops.ROWS_MAXNREG),
                 ("decode_weights", gluon_mma.decode_weights, decode_args,
                  dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8, MUL1_H=CB == 2), 0)):
-            names = [*args, *consts]
+            names = [a for a in fn.arg_names if a in args or a in consts]
             aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in args
                        if a.endswith("_ptr") or a in ("k", "n", "stride_te")}
-            src = gluon._runtime.GluonASTSource(fn, signature={**args, **dict.fromkeys(consts, "constexpr")},
+            src = gluon._runtime.GluonASTSource(fn, signature={a: args.get(a, "constexpr") for a in names},
                                                 attrs=aligned,
                                                 constexprs={(names.index(c),): v for c, v in consts.items()})
             options = dict(num_warps=warps, **ops._maxnreg(registers))
             cubin = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
             usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
             counts = max(loop_ops(tool("cuobjdump", cubin, "-sass")), key=lambda c: sum(c.values()))
-            per = (128 * 32 if name == "decode_weights" else consts["BK"] * consts["BN"] * (1 + consts["DUAL"])) / \
-                (32 * warps)
+            per = (128 * 32 if name == "decode_weights" else  # weights a thread in the loop's K steps
+                   consts["BK"] * consts["BN"] * (1 + consts["DUAL"]) * consts["UNROLL"]) / (32 * warps)
             top = ", ".join(f"{op} {n / per:.2f}" for op, n in counts.most_common(8))
             print(f"K={K} {name:<16}: {usage.group(1)} registers, {usage.group(2)} B stack; K loop "
                   f"{sum(counts.values()) / per:.2f} instructions per decoded weight ({top})")

@@ -62,11 +62,9 @@ def test_lane_states_match_the_format(K):
                                 32 * ((end - 1) // 32 + 1) - end)
                 up = (3 - q % 4) * KA + H * (2 - (q % 4 + 1) // 2)
                 state = window & 0xFFFF if q % 4 == 3 else (window * (65536 >> up) & 0xFFFFFFFF) >> 16
-            elif K == 2 and q % 2:  # two bytes of the window (q = 3, 7) or of the window >> 4 (q = 1, 5)
-                source = funnel(lo, hi, 16 - 16 * (t & 1) + (0 if q % 4 == 3 else 4))
-                state = (source >> (8 if q < 4 else 0)) & 0xFFFF
-            elif K == 2:
-                state = (funnel(lo, hi, 16 - 16 * (t & 1)) * (4 << 2 * q) & 0xFFFFFFFF) >> 16
+            elif K == 2:  # the window moved up 2, 4, 6 or 0 bits, then two of its bytes: from bit 16, 8 or 0
+                moved = funnel(lo, hi, 16 - 16 * (t & 1)) << 2 * ((q + 1) % 4) & 0xFFFFFFFF
+                state = moved >> (16 if q < 3 else 8 if q < 7 else 0) & 0xFFFF
             else:
                 state = funnel(lo, hi, 32 * (word + 1) - W * lane - W // 8 * (q + 1)) & 0xFFFF
             row, col = 8 * j + 2 * t + r0, 8 * c3 + g  # act_layout's input row of this MMA slot; the column
@@ -103,15 +101,16 @@ def test_tile_order_gives_rows_and_columns():
 POINTERS = {"a0_ptr": "*i32", "a1_ptr": "*i32", "chunk_pos_ptr": "*i32", "chunk_len_ptr": "*i32",
             "chunk_expert_ptr": "*i32", "n_chunks_ptr": "*i32", "t0_ptr": "*i32", "t1_ptr": "*i32",
             "p0_ptr": "*fp32", "p1_ptr": "*fp32"}
-SCALARS = {"P": "i32", "k": "i32", "n": "i32", "stride_te": "i32", "mask": "i32"}
+SCALARS = {"P": "i32", "k": "i32", "stride_te": "i32", "mask": "i32"}
 
 
 def compile_gluon(fn, args: dict, const: dict, arch: int, **options):
     """fn compiled for sm_`arch` (no GPU needed), its pointers and sizes aligned as at V4.1 shapes."""
-    names = [*args, *const]
+    names = [name for name in fn.arg_names if name in args or name in const]
     aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in args
                if a.endswith("_ptr") or a in ("k", "n", "stride_te")}
-    src = gluon._runtime.GluonASTSource(fn, signature={**args, **dict.fromkeys(const, "constexpr")}, attrs=aligned,
+    signature = {name: args.get(name, "constexpr") for name in names}
+    src = gluon._runtime.GluonASTSource(fn, signature=signature, attrs=aligned,
                                         constexprs={(names.index(a),): v for a, v in const.items()})
     return triton_compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
@@ -121,8 +120,14 @@ def registers(DUAL: bool, ROWS: int) -> int:
     return ops.ROWS_MAXNREG if ROWS > 8 else ops.MMA_MAXNREG[not DUAL]
 
 
+def unroll(DUAL: bool, ROWS: int) -> int:
+    """The K steps a loop iteration ops gives a grouped_mma launch."""
+    return 1 if ROWS > 8 else ops.MMA_UNROLL[not DUAL]
+
+
 def compiled(K: int, CB: int, DUAL: bool, BN: int, BK: int, arch: int, ROWS: int = 8):
-    const = dict(W=int(8 * K), CB=CB, DUAL=DUAL, BN=BN, BK=BK, SPLIT=1, ROWS=ROWS)
+    const = dict(n=1152, W=int(8 * K), CB=CB, DUAL=DUAL, BN=BN, BK=BK, SPLIT=1, ROWS=ROWS,
+                 UNROLL=unroll(DUAL, ROWS))
     return compile_gluon(grouped_mma, {**POINTERS, **SCALARS}, const, arch, num_warps=4,
                          **ops._maxnreg(registers(DUAL, ROWS)))
 
@@ -156,8 +161,8 @@ def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, R
     assert usage["REG"] <= (registers(DUAL, ROWS) or 255) and usage["STACK"] == usage["LOCAL"] == 0, usage
     ptx = kernel.asm["ptx"]
     mmas = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
-    assert mmas == (2 if DUAL else 1) * (BN // 64) * (BK // 16) * 2 * (ROWS // 8), \
-        "one MMA per 16 doubled K rows, warp tile and 8 rows"
+    assert mmas == (2 * unroll(DUAL, ROWS) - 1) * (2 if DUAL else 1) * (BN // 64) * (BK // 16) * 2 * (ROWS // 8), \
+        "one MMA per 16 doubled K rows, warp tile and 8 rows, in each K step of the code (unrolled: 1 + 2)"
     assert "shfl.sync.idx.b32" in ptx and "ld.shared" not in ptx
     assert ("prmt.b32" in ptx) == (K == 2), "at K = 2 the byte-aligned states are picked by PRMT"
     assert ("dp4a.u32.u32" in ptx) == (CB == 2), "mul1's byte sum"

@@ -83,9 +83,9 @@ def byte_pair(x, sel):
 def lane_states(lo, src, shift, lane, t, q, W: gl.constexpr):
     """The 16-bit states of each lane's 8 weights q (positions 8 lane + q, W = 8 K bits a lane) from its word lo
     and the word before it (lane src's). At K = 1, 2, 4 all 8 end in lo. At K = 2 they lie in one 30-bit window
-    (hi:lo >> 16 for even lanes, lo for odd ones), state q ending 14 - 2 q bits up. Odd q start on a byte of the
-    window or of the window >> 4: one PRMT each. Even q are shifted to the top and back down, by constants, and
-    the left shift goes to the FMA pipe (IMAD.SHL), as the integer pipe carries the PRMTs and the codebook's LOP3.
+    (hi:lo >> 16 for even lanes, lo for odd ones), state q ending 14 - 2 q bits up. Shifted up by 2, 4 or 6 bits
+    (three IMAD.SHL: the FMA pipe, as the integer pipe carries the PRMTs and the codebook's LOP3), or not at all,
+    every state starts on a byte: one PRMT each.
     Other K (1.5, 2.5, 3, 3.5) span up to 41 bits: q < 4 lie in the 32 bits ending where state 3 ends, q >= 4 in
     the 32 ending where state 7 does, each window one funnel shift of lo and the word before, or of the word after
     (another lane's, where the second window ends a word later) and lo; each state a constant shift of its window."""
@@ -102,13 +102,11 @@ def lane_states(lo, src, shift, lane, t, q, W: gl.constexpr):
                                         dtype=gl.uint32, is_pure=True, pack=1)  # << 16 - up, as a multiply
         return gl.where(q % 4 == 3, window & 0xFFFF, top >> 16)
     if W == 16:
-        base = (16 - 16 * (t & 1)).to(gl.uint32)
-        window = funnel(lo, hi, base)
-        aligned = byte_pair(gl.where(q % 4 == 3, window, funnel(lo, hi, base + 4)),
-                            gl.where(q < 4, 0x4421, 0x4410).to(gl.uint32))
-        top = gl.inline_asm_elementwise("mul.lo.u32 $0, $1, $2;", "=r,r,r", [window, (4 << (2 * q)).to(gl.uint32)],
-                                        dtype=gl.uint32, is_pure=True, pack=1)  # << 2 + 2q, as a multiply
-        return gl.where(q % 2 == 1, aligned, top >> 16)
+        window = funnel(lo, hi, (16 - 16 * (t & 1)).to(gl.uint32))
+        up = 2 * ((q + 1) % 4)  # state q moved up to bit 16 (q < 3), 8 (q < 7) or left at 0: 2, 4, 6 or 0 bits
+        moved = gl.inline_asm_elementwise("mul.lo.u32 $0, $1, $2;", "=r,r,r", [window, (1 << up).to(gl.uint32)],
+                                          dtype=gl.uint32, is_pure=True, pack=1)
+        return byte_pair(moved, gl.where(q < 3, 0x4432, gl.where(q < 7, 0x4421, 0x4410)).to(gl.uint32))
     return funnel(lo, hi, shift) & 0xFFFF
 
 
@@ -187,12 +185,38 @@ def load_step(words, rows, step, stride_step, lo_off, a_off, BK: gl.constexpr):
 
 
 @gluon.jit
+def load_both(w0, w1, a0_ptr, a1_ptr, step, stride_step, lo_off, a_off, BK: gl.constexpr, DUAL: gl.constexpr):
+    """load_step for the first projection and, with DUAL, the second."""
+    lo0, x0 = load_step(w0, a0_ptr, step, stride_step, lo_off, a_off, BK)
+    lo1, x1 = lo0, x0
+    if DUAL:
+        lo1, x1 = load_step(w1, a1_ptr, step, stride_step, lo_off, a_off, BK)
+    return lo0, x0, lo1, x1
+
+
+@gluon.jit
+def products(lo0, x0, lo1, x1, acc0, acc1, src, shift, lane, t, q, mask, W: gl.constexpr, CB: gl.constexpr,
+             BN: gl.constexpr, BK: gl.constexpr, ROWS: gl.constexpr, DUAL: gl.constexpr, A: gl.constexpr,
+             B: gl.constexpr):
+    """One K step: the words decoded into the A operand, multiplied by the rows, added to the accumulators."""
+    w = decode_operand(lane_states(lo0, src, shift, lane, t, q, W), mask, CB, BN, BK, A)
+    acc0 = mma_v2(w, act_operand(x0, BK, ROWS, B), acc0)
+    if DUAL:
+        w = decode_operand(lane_states(lo1, src, shift, lane, t, q, W), mask, CB, BN, BK, A)
+        acc1 = mma_v2(w, act_operand(x1, BK, ROWS, B), acc1)
+    return acc0, acc1
+
+
+@gluon.jit
 def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, n_chunks_ptr, t0_ptr, t1_ptr,
-                p0_ptr, p1_ptr, P, k, n, stride_te, mask, W: gl.constexpr, CB: gl.constexpr, DUAL: gl.constexpr,
-                BN: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr, ROWS: gl.constexpr):
+                p0_ptr, p1_ptr, P, k, n: gl.constexpr, stride_te, mask, W: gl.constexpr, CB: gl.constexpr,
+                DUAL: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr, ROWS: gl.constexpr,
+                UNROLL: gl.constexpr):
     """grouped_gemv's contract (rotated rows as doubled fp16, triton_exl3.as_operand; chunks of up to ROWS
     rows, a multiple of 8: the MMA's N; fp32 partials per K split) on mma.sync. In each (chunk, column block,
-    K split) program, warp w takes the 16 columns from 16 w of every 16 * warps."""
+    K split) program, warp w takes the 16 columns from 16 w of every 16 * warps. n is a constexpr, so the tiles'
+    offsets within a K step are the loads' immediates (one address a projection and step, not one a row of tiles).
+    UNROLL: K steps a loop iteration (1 or 2)."""
     warps: gl.constexpr = gl.num_warps()
     TN: gl.constexpr = BN // 16
     TK: gl.constexpr = BK // 16
@@ -229,22 +253,26 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
     stride_step = TK * (n // 16) * W
     acc0 = gl.zeros([BN, ROWS], gl.float32, MMA)
     acc1 = gl.zeros([BN, ROWS], gl.float32, MMA)
-    lo0, x0 = load_step(w0, a0_ptr, first, stride_step, lo_off, a_off, BK)
-    lo1, x1 = lo0, x0
-    if DUAL:
-        lo1, x1 = load_step(w1, a1_ptr, first, stride_step, lo_off, a_off, BK)
-    for step in range(first, last):  # the next step's words and rows are loaded before this step is decoded
-        nxt = gl.minimum(step + 1, last - 1)
-        next_lo0, next_x0 = load_step(w0, a0_ptr, nxt, stride_step, lo_off, a_off, BK)
-        next_lo1, next_x1 = next_lo0, next_x0
-        if DUAL:
-            next_lo1, next_x1 = load_step(w1, a1_ptr, nxt, stride_step, lo_off, a_off, BK)
-        w = decode_operand(lane_states(lo0, src, shift, lane, t, q, W), mask, CB, BN, BK, A)
-        acc0 = mma_v2(w, act_operand(x0, BK, ROWS, B), acc0)
-        if DUAL:
-            w = decode_operand(lane_states(lo1, src, shift, lane, t, q, W), mask, CB, BN, BK, A)
-            acc1 = mma_v2(w, act_operand(x1, BK, ROWS, B), acc1)
-        lo0, x0, lo1, x1 = next_lo0, next_x0, next_lo1, next_x1
+    # the next step's words and rows are loaded before a step is decoded; UNROLL = 2: two steps an iteration (the
+    # first alone if their count is odd), each buffer used in turn, so no copies between iterations
+    lo0, x0, lo1, x1 = load_both(w0, w1, a0_ptr, a1_ptr, first, stride_step, lo_off, a_off, BK, DUAL)
+    single = last if UNROLL == 1 else first + (last - first) % 2  # the steps taken one at a time
+    for step in range(first, single):
+        n_lo0, n_x0, n_lo1, n_x1 = load_both(w0, w1, a0_ptr, a1_ptr, gl.minimum(step + 1, last - 1), stride_step,
+                                             lo_off, a_off, BK, DUAL)
+        acc0, acc1 = products(lo0, x0, lo1, x1, acc0, acc1, src, shift, lane, t, q, mask, W, CB, BN, BK, ROWS, DUAL,
+                              A, B)
+        lo0, x0, lo1, x1 = n_lo0, n_x0, n_lo1, n_x1
+    if UNROLL == 2:
+        for step in range(single, last, 2):
+            n_lo0, n_x0, n_lo1, n_x1 = load_both(w0, w1, a0_ptr, a1_ptr, step + 1, stride_step, lo_off, a_off, BK,
+                                                 DUAL)
+            acc0, acc1 = products(lo0, x0, lo1, x1, acc0, acc1, src, shift, lane, t, q, mask, W, CB, BN, BK, ROWS,
+                                  DUAL, A, B)
+            lo0, x0, lo1, x1 = load_both(w0, w1, a0_ptr, a1_ptr, gl.minimum(step + 2, last - 1), stride_step,
+                                         lo_off, a_off, BK, DUAL)
+            acc0, acc1 = products(n_lo0, n_x0, n_lo1, n_x1, acc0, acc1, src, shift, lane, t, q, mask, W, CB, BN, BK,
+                                  ROWS, DUAL, A, B)
 
     cols = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)), 1)
     out_rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA)), 0)

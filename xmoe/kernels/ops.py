@@ -133,6 +133,11 @@ COMBINE_STACKED = 16
 # without a limit it takes 64 and 40). More registers let it issue the next K step's loads earlier in the loop;
 # on the H200 at 72, in two alternating rounds, skewed calls of 6-48 tokens were 2-13% faster, uniform -1% to +4%.
 MMA_MAXNREG = (72, 72)
+# K steps a loop iteration of grouped_mma, for gate and up together and for down alone ("rows": 1). Two take the
+# copies between the double-buffered loads out of the loop and its counting to every other step: down's K loop at
+# K = 2 from 5.09 to 4.70 instructions a weight (Triton 3.6); gate and up together have no registers for it (32
+# bytes spilled). On the H200 at 6 / 48 uniform tokens: 179.3 / 874.5 us against 182.0 / 892.3 at one step.
+MMA_UNROLL = (1, 2)
 ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spills: Triton 3.6, sm_90)
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
 # finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16). "rows"
@@ -315,7 +320,8 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
             grouped_mma[grid](a, a1 if dual else a, pos, length, expert, count, t, other if dual else t, p,
                               p1 if dual else p, p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1],
                               CB=CODEBOOK_ID[w.codebook], DUAL=dual, BN=launch.BN, BK=launch.BK, SPLIT=launch.split,
-                              ROWS=launch.BM, num_warps=launch.warps, **_maxnreg(registers))
+                              ROWS=launch.BM, UNROLL=1 if prefill else MMA_UNROLL[second is None],
+                              num_warps=launch.warps, **_maxnreg(registers))
         return
     if tiled and launch.gemv:
         grouped_gemv[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0,
