@@ -136,7 +136,8 @@ MMA_MAXNREG = (72, 72)
 # K steps a loop iteration of grouped_mma, for gate and up together and for down alone ("rows": 1). Two take the
 # copies between the double-buffered loads out of the loop and its counting to every other step: down's K loop at
 # K = 2 from 5.09 to 4.70 instructions a weight (Triton 3.6); gate and up together have no registers for it (32
-# bytes spilled). On the H200 at 6 / 48 uniform tokens: 179.3 / 874.5 us against 182.0 / 892.3 at one step.
+# bytes spilled). On the H200 at 6 / 48 uniform tokens (before the PRMT states): 179.3 / 874.5 us against
+# 182.0 / 892.3 at one step.
 MMA_UNROLL = (1, 2)
 ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spills: Triton 3.6, sm_90)
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
