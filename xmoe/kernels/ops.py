@@ -130,15 +130,17 @@ EPILOGUE = ((16, 4), (64, 4))
 # H200, in one run, 6.0 us at 6 tokens where one program per 16 tokens took 14.1; at 48 tokens 23.9 against 13.4.
 COMBINE_STACKED = 16
 # Registers a thread ptxas may give grouped_mma, for gate and up together and for down alone (0: its own choice;
-# without a limit it takes 64 and 40). More registers let it issue the next K step's loads earlier in the loop;
-# on the H200 at 72, in two alternating rounds, skewed calls of 6-48 tokens were 2-13% faster, uniform -1% to +4%.
-MMA_MAXNREG = (72, 72)
+# without a limit it takes 64 and 40). More registers let it issue the next K step's loads earlier in the loop.
+# Gate and up take 96 for two K steps an iteration (MMA_UNROLL; at 72 that spilled 32 bytes), 5 programs a
+# multiprocessor where 72 gave 7: on the H200, against (72, 72) at one step, in two calls in opposite order, skewed
+# calls of 12-48 tokens 3-4% faster, the rest within 2% (docs/data/moe_kernel_h200_eighteenth_unroll_registers.txt
+# and moe_kernel_h200_eighteenth.txt).
+MMA_MAXNREG = (96, 72)
 # K steps a loop iteration of grouped_mma, for gate and up together and for down alone ("rows": 1). Two take the
-# copies between the double-buffered loads out of the loop and its counting to every other step: down's K loop at
-# K = 2 from 5.09 to 4.70 instructions a weight (Triton 3.6); gate and up together have no registers for it (32
-# bytes spilled). On the H200 at 6 / 48 uniform tokens (before the PRMT states): 179.3 / 874.5 us against
-# 182.0 / 892.3 at one step.
-MMA_UNROLL = (1, 2)
+# copies between the double-buffered loads out of the loop (each copy of a just-loaded word waited on its load) and
+# its counting to every other step: at K = 2 (Triton 3.6) gate and up from 4.61 to 4.41 instructions a weight, down
+# from 5.09 to 4.70.
+MMA_UNROLL = (2, 2)
 ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spills: Triton 3.6, sm_90)
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
 # finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16). "rows"
