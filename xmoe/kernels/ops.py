@@ -133,7 +133,7 @@ COMBINE_STACKED = 16
 # without a limit it takes 64 and 40). More registers let it issue the next K step's loads earlier in the loop.
 # Gate and up take 96 for two K steps an iteration (MMA_UNROLL; at 72 that spilled 32 bytes), 5 programs a
 # multiprocessor where 72 gave 7: on the H200, against (72, 72) at one step, in two calls in opposite order, skewed
-# calls of 12-48 tokens 3-4% faster, the rest within 2% (docs/data/moe_kernel_h200_eighteenth_unroll_registers.txt
+# calls of 12-48 tokens 2.8-4.3% faster, the rest within 2.1% (docs/data/moe_kernel_h200_eighteenth_unroll_registers.txt
 # and moe_kernel_h200_eighteenth.txt).
 MMA_MAXNREG = (96, 72)
 # K steps a loop iteration of grouped_mma, for gate and up together and for down alone ("rows": 1). Two take the
