@@ -178,8 +178,8 @@ def act_operand(x, BK: gl.constexpr, ROWS: gl.constexpr, B: gl.constexpr):
 
 @gluon.jit
 def load_step(words, rows, step, stride_step, lo_off, a_off, BK: gl.constexpr):
-    """One K step's trellis words (the one each lane's states end in) and activations (all rows of the chunk: the
-    rows buffers hold a chunk more than the call's, and rows past the chunk's length are never stored)."""
+    """One K step's trellis words (the one each lane's states end in) and activations (the chunk's rows, its last
+    row again in the MMA's rows past its length, which are never stored)."""
     lo = gl.load(words + step * stride_step + lo_off).to(gl.uint32, bitcast=True)
     return lo, gl.load(rows + a_off + step * BK)
 
@@ -244,7 +244,9 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
     tile = axis(TK, 3, 7, TILE) * ((n // 16) * W) + (pid_n * TN + axis(TN, 0, 7, TILE)) * W
     lo_off = tile + word
 
-    rows = axis(ROWS, 3, 4, ACT)
+    # the MMA's rows past the chunk's length read its last row: the lanes of a load then share its addresses, so
+    # a one-row chunk takes one L1 sector a load where eight rows took eight
+    rows = gl.minimum(axis(ROWS, 3, 4, ACT), length - 1)
     a_off = (pos + rows) * k + 8 * axis(BK // 8, 0, 4, ACT) + 2 * axis(4, 1, 4, ACT) + axis(2, 2, 4, ACT)
     steps = k // BK
     per = gl.cdiv(steps, SPLIT)
