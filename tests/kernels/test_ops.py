@@ -438,8 +438,9 @@ def test_moe_gpu(case, decoder):
 
 @pytest.mark.gpu
 def test_mma_padding_never_reaches_the_output(monkeypatch):
-    """grouped_mma reads each chunk's 8 rows whole, past a short chunk into the next expert's rows, other ranks'
-    rows or the buffers' padding (ops._act_buffer): with all of those NaN, every output still matches."""
+    """grouped_mma's MMA takes 8 rows a chunk, a short chunk's spare rows reading its last row again, never the
+    next expert's rows or other ranks' rows: with every activation buffer NaN before it is written (ops._act_buffer),
+    every output still matches."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     monkeypatch.setattr(ops, "MMA_ROWS", float("inf"))
@@ -447,8 +448,7 @@ def test_mma_padding_never_reaches_the_output(monkeypatch):
 
     def poisoned(P, cols, launch, device):
         rows = made(P, cols, launch, device)
-        whole = rows if rows._base is None else rows._base
-        whole.fill_(0x7E007E00 if whole.dtype == torch.int32 else float("nan"))  # int32: fp16 NaN, doubled
+        rows.fill_(0x7E007E00 if rows.dtype == torch.int32 else float("nan"))  # int32: fp16 NaN, doubled
         return rows
 
     monkeypatch.setattr(ops, "_act_buffer", poisoned)

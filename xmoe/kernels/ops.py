@@ -273,10 +273,9 @@ def _act_dtype(launch: Launch) -> torch.dtype:
 
 
 def _act_buffer(P: int, cols: int, launch: Launch, device: torch.device) -> torch.Tensor:
-    """(P, cols) activations for the launch's GEMM; for grouped_mma, BM more rows behind them, as it reads every
-    chunk's BM rows whole (unmasked loads) and stores only those it has."""
-    extra = launch.BM if launch.mma else 0
-    return torch.empty(P + extra, cols, device=device, dtype=_act_dtype(launch))[:P]
+    """(P, cols) activations for the launch's GEMM (grouped_mma reads no row past a chunk's last: its MMA's spare
+    rows read that row again)."""
+    return torch.empty(P, cols, device=device, dtype=_act_dtype(launch))
 
 
 def _mul1_h(w: Exl3Weight) -> bool:
