@@ -15,6 +15,7 @@ from xmoe.format.trellis import decode_inner, state_windows  # noqa: E402
 from xmoe.kernels import ops  # noqa: E402
 from xmoe.kernels.reference import exl3_linear_ref, fused_moe_ref  # noqa: E402
 from xmoe.kernels.routing import Routing, route  # noqa: E402
+from xmoe.kernels.weights import Exl3Slices  # noqa: E402
 
 # Relative to the output's largest magnitude: fp16 rounding of the rotated activations, and of the output.
 TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3, torch.float32: 2e-3}
@@ -33,6 +34,15 @@ def check_linear(M, k, n, K, codebook, bias, device, dtype=torch.float16):
     got = ops.exl3_linear(x, w, b, backend="triton")
     assert got.shape == (M, n) and got.dtype == dtype
     close(got, exl3_linear_ref(x.float(), w, b), f"linear M={M} {k}x{n} K={K} {codebook}")
+
+
+def check_slices(M, k, widths, K, codebook, device):
+    """exl3_linear_slices against each layer's reference, side by side."""
+    layers = [random_weight(k, n, K, codebook, seed=n + i, device=device) for i, n in enumerate(widths)]
+    x = torch.randn(M, k, generator=torch.Generator().manual_seed(M)).to(device, torch.float16)
+    got = ops.exl3_linear_slices(x, Exl3Slices.of(layers), backend="triton")
+    ref = torch.cat([exl3_linear_ref(x.float(), w) for w in layers], dim=1)
+    close(got, ref, f"slices M={M} k={k} {widths} K={K} {codebook}")
 
 
 def check_moe(M, E, hidden, inter, top_k, K, codebook, skew, device, limit=None, ep=False, K_down=None,
@@ -72,6 +82,30 @@ def test_linear_interpreter():
     pytest.importorskip("triton")
     run_interpreted("\n".join(f"check_linear(*{c}, 'cpu')" for c in SMALL_LINEAR) +
                     "\ncheck_linear(3, 128, 128, 2, 'mcg', True, 'cpu', torch.bfloat16)")
+
+
+SMALL_SLICES = [(1, 256, (256, 128, 128), 2, "mcg"), (5, 128, (128, 384), 3, "mul1"),
+                (3, 200, (384, 128), 2.5, "mul1"), (2, 128, (256, 256), 4, "3inst")]
+
+
+def test_linear_slices_interpreter():
+    """Layers sharing an input as one set of launches, on the grouped path and (DENSE_ROWS 1) the dense one."""
+    pytest.importorskip("triton")
+    calls = [f"check_slices(*{c}, 'cpu')" for c in SMALL_SLICES]
+    run_interpreted("\n".join([*calls, "ops.DENSE_ROWS = 1", *calls[:2]]))
+
+
+def test_slices_cut_at_the_widths_gcd():
+    q, k, v = (random_weight(256, n, 2, "mcg", seed=n) for n in (512, 128, 128))
+    slices = Exl3Slices.of([q, k, v])
+    assert slices.stack.trellis.shape == (6, 16, 8, 32) and slices.stack.n == 128 and slices.out_features == 768
+    assert [slices.bounds(i) for i in range(3)] == [(0, 4), (4, 5), (5, 6)]
+    assert torch.equal(slices.stack.trellis[1], q.trellis[:, 8:16]) and torch.equal(slices.stack.suh[5], v.suh)
+    assert torch.equal(slices.stack.svh[:4].reshape(-1), q.svh)
+    for other, said in ((random_weight(256, 128, 3, "mcg"), "K=3"), (random_weight(128, 128, 2, "mcg"), "128 inputs"),
+                        (random_weight(256, 100, 2, "mcg"), "100 outputs")):
+        with pytest.raises(ValueError, match=said):
+            Exl3Slices.of([q, other], "qkv_proj")
 
 
 def test_moe_interpreter():
@@ -436,6 +470,19 @@ def test_moe_gpu(case, decoder):
     check_moe(**case, device="cuda")
 
 
+GPU_SLICES = [(M, 5120, widths, K, cb) for M in (1, 6, 33, 200) for widths, K, cb in
+              (((5120, 1024, 1024), 2, "mcg"), ((2304, 2304), 3, "mcg"), ((4096, 512, 512), 2, "mul1"),
+               ((1024, 512), 4, "3inst"))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_SLICES, ids=str)
+def test_linear_slices_gpu(case, decoder):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    check_slices(*case, "cuda")
+
+
 @pytest.mark.gpu
 def test_mma_padding_never_reaches_the_output(monkeypatch):
     """grouped_mma's MMA takes 8 rows a chunk, a short chunk's spare rows reading its last row again, never the
@@ -504,27 +551,30 @@ def test_row_chunks_kept_per_shape():
 
 @pytest.mark.gpu
 def test_linear_cuda_graph_replay_equals_eager():
-    """exl3_linear replayed from CUDA graphs equals eager calls: for a shape first seen inside the capture (its
-    chunk tables are then made by the graph) and for one whose tables were kept from an eager call."""
+    """exl3_linear (and exl3_linear_slices) replayed from CUDA graphs equals eager calls: for a shape first seen
+    inside the capture (its chunk tables are then made by the graph) and for one whose tables were kept from an
+    eager call."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     w = random_weight(1024, 512, 2, "mcg", device="cuda")
     ops.exl3_linear(torch.randn(4, 1024, device="cuda", dtype=torch.float16), w, backend="triton")  # compiles
     k3 = random_weight(1024, 512, 3, "mul1", device="cuda")  # at 48 rows: grouped_mma's "rows" regime
-    for M, eager_first, layer in ((3, False, w), (5, True, w), (48, True, k3)):
+    slices = Exl3Slices.of([w, random_weight(1024, 256, 2, "mcg", seed=1, device="cuda")])
+    for M, eager_first, layer in ((3, False, w), (5, True, w), (48, True, k3), (3, False, slices), (6, True, slices)):
+        call = ops.exl3_linear_slices if isinstance(layer, Exl3Slices) else ops.exl3_linear
         x = torch.randn(M, 1024, device="cuda", dtype=torch.float16)
         if eager_first:
-            ops.exl3_linear(x, layer, backend="triton")
+            call(x, layer, backend="triton")
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            out = ops.exl3_linear(x, layer, backend="triton")
+            out = call(x, layer, backend="triton")
         torch.cuda.current_stream().wait_stream(stream)
         for _ in range(2):
             x.normal_()
             graph.replay()
-            assert torch.equal(out, ops.exl3_linear(x, layer, backend="triton")), M
+            assert torch.equal(out, call(x, layer, backend="triton")), M
 
 
 def test_triton_routes_equal_route_interpreter():

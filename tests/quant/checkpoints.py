@@ -17,7 +17,8 @@ SERVE_BASE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, n
 def hf_config(arch: str, base: dict = BASE):
     import transformers as tf
     if arch == "llama":
-        return tf.LlamaConfig(**base, intermediate_size=192, head_dim=base["hidden_size"] // base["num_attention_heads"])
+        return tf.LlamaConfig(**{"intermediate_size": 192, **base},
+                              head_dim=base["hidden_size"] // base["num_attention_heads"])
     if arch == "mixtral":
         return tf.MixtralConfig(**base, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)
     if arch == "qwen3_moe":

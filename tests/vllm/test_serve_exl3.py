@@ -28,6 +28,15 @@ def test_kernel_path_under_triton_interpreter(tmp_path):
     check_served(src, tmp_path / "moe", "--max-num-batched-tokens", "128", env={"TRITON_INTERPRET": "1"})
 
 
+def test_dense_llama_kernel_path_under_triton_interpreter(tmp_path):
+    """The GPU path of a dense model whose every linear is EXL3, under the Triton interpreter: outputs of whole
+    128-column blocks, so q, k and v run as one set of launches, and gate and up as another (Exl3Slices)."""
+    pytest.importorskip("triton")
+    base = dict(SERVE_BASE, hidden_size=256, intermediate_size=256)  # head_dim 128: q 256, k and v 128
+    src = save_hf("llama", tmp_path / "src", base=base)
+    check_served(src, save_exl3_dense(src, tmp_path / "dst", K=4), env={"TRITON_INTERPRET": "1"})
+
+
 def test_qwen3_moe_tensor_parallel_2(tmp_path):
     """TP=2 on vLLM's CPU backend: each rank takes its half of every expert's intermediate dimension."""
     src = save_hf("qwen3_moe", tmp_path / "src", base=SERVE_BASE)

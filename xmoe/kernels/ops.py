@@ -16,9 +16,9 @@ import torch
 
 from ..format.hadamard import hadamard_128
 from ..format.trellis import state_windows
-from .reference import exl3_linear_ref, fused_moe_ref
+from .reference import exl3_linear_ref, exl3_slices_ref, fused_moe_ref
 from .routing import Routing, chunk_bound, expected_experts, route
-from .weights import Exl3Experts, Exl3Weight
+from .weights import Exl3Experts, Exl3Slices, Exl3Weight
 
 BACKENDS = ("auto", "triton", "torch")
 log = logging.getLogger(__name__)
@@ -520,22 +520,46 @@ def _padded_rows(x: torch.Tensor, k: int) -> torch.Tensor:
 _ROW_CHUNKS: dict = {}
 
 
-def _row_chunks(M: int, BM: int, device: torch.device) -> tuple:
-    """A dense layer's routing: its M rows in chunks of BM, all on "expert" 0; (chunks, rows, zeros) as _gemm and
-    _rotate take them. Kept per shape, since building them is six small kernels, more than the layer's own at
-    one row; not kept when made inside a CUDA-graph capture, where they are filled only when the graph runs."""
-    key = (M, BM, str(device))
+def _row_chunks(M: int, BM: int, device: torch.device, slices: int = 1) -> tuple:
+    """A dense layer's routing: its M rows in chunks of BM, all on "expert" 0, or for `slices` slices
+    (exl3_linear_slices) each slice's copy of the rows (positions s M ..) on expert s; (chunks, rows, experts) as
+    _gemm and _rotate take them. Kept per shape, since building them is six small kernels, more than the layer's
+    own at one row; not kept when made inside a CUDA-graph capture, where they are filled only when the graph
+    runs."""
+    key = (M, BM, slices, str(device))
     if key in _ROW_CHUNKS:
         return _ROW_CHUNKS[key]
-    pos = torch.arange(0, M, BM, device=device, dtype=torch.int32)
+    starts = torch.arange(0, M, BM, device=device, dtype=torch.int32)
+    pos = (torch.arange(slices, device=device, dtype=torch.int32)[:, None] * M + starts).reshape(-1)
+    length = (M - starts).clamp(max=BM).repeat(slices)
+    expert = torch.arange(slices, device=device, dtype=torch.int32).repeat_interleave(len(starts))
     count = torch.full((1,), len(pos), device=device, dtype=torch.int32)
-    rows = torch.arange(M, device=device, dtype=torch.int32)
-    made = (pos, (M - pos).clamp(max=BM), torch.zeros_like(pos), count, len(pos)), rows, torch.zeros_like(rows)
+    rows = torch.arange(M, device=device, dtype=torch.int32).repeat(slices)
+    made = (pos, length, expert, count, len(pos)), rows, expert.repeat_interleave(length)
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         if len(_ROW_CHUNKS) >= 256:
             _ROW_CHUNKS.clear()
         _ROW_CHUNKS[key] = made
     return made
+
+
+def _linear_launch(M: int, w: Exl3Weight, device: torch.device, slices: int = 1) -> Launch:
+    # without the tiled decoder, grouped_mma's chunks up to the dense path's rows: the gather decoder took 142-174 us
+    # at 64 rows (H200, 5120 x 2304 and 2304 x 5120, K = 3), two chunks of 32 rows 37-38
+    return plan(slices * -(-M // 16), w.n, w.k, M, _sms(device), w.K, mma=mma_refusal(w, device) is None,
+                rows_mma=None if _tiled(w.K) or not ROWS_MMA else DENSE_ROWS - 1)
+
+
+def _linear_epilogue(part, sums, svh, bias, out, per_slice: int, w: Exl3Weight) -> None:
+    """out = the rotated, scaled sums of the K splits of `part` (split, P, n) (+ bias): positions in slices of
+    per_slice rows, slice s written to out's columns s n .. (linear_epilogue)."""
+    from .triton_exl3 import linear_epilogue
+    P, n = part.shape[1:]
+    BM, warps = epilogue_launch(P)
+    linear_epilogue[(-(-P // BM), n // 128)](part, sums, svh, bias if bias is not None else svh, out,
+                                             _had(str(out.device)), P, n, min(n, out.shape[1]), w.k // 128,
+                                             max(per_slice, 1), out.stride(0), HAS_BIAS=bias is not None,
+                                             MUL1_H=_mul1_h(w), SPLIT=part.shape[0], BM=BM, num_warps=warps)
 
 
 def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None,
@@ -547,15 +571,10 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
         raise ValueError("exl3_linear: takes one layer, got a stack of experts")
     if pick_backend(backend, x.device) == "torch":
         return exl3_linear_ref(x.reshape(-1, x.shape[-1]), w, bias).reshape(*x.shape[:-1], w.out_features)
-    from .triton_exl3 import linear_epilogue
     a = _padded_rows(x, w.k)
-    M = a.shape[0]
-    _eager_tables((w,), x.device)
-    # without the tiled decoder, grouped_mma's chunks up to the dense path's rows: the gather decoder took 142-174 us
-    # at 64 rows (H200, 5120 x 2304 and 2304 x 5120, K = 3), two chunks of 32 rows 37-38
-    launch = plan(-(-M // 16), w.n, w.k, M, _sms(x.device), w.K, mma=mma_refusal(w, x.device) is None,
-                  rows_mma=None if _tiled(w.K) or not ROWS_MMA else DENSE_ROWS - 1)
-    dev = x.device
+    M, dev = a.shape[0], x.device
+    _eager_tables((w,), dev)
+    launch = _linear_launch(M, w, dev)
     chunks, rows, zeros = _row_chunks(M, launch.BM, dev)
     a0, _, sums, _ = _rotate(a, rows, zeros, w, None, M, launch)
     if _dense_call(M, launch, w, dev):  # decoded once for all rows
@@ -565,12 +584,40 @@ def exl3_linear(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = None
         part = torch.empty(launch.split, M, w.n, device=dev, dtype=torch.float32)
         _gemm(a0, a0, chunks, w, part, None, None, launch)
     out = torch.empty(M, w.out_features, device=dev, dtype=x.dtype)
-    BM, warps = epilogue_launch(M)
-    linear_epilogue[(-(-M // BM), w.n // 128)](part, sums, w.svh, bias if bias is not None else w.svh, out,
-                                               _had(str(dev)), M, w.n, w.out_features, w.k // 128,
-                                               HAS_BIAS=bias is not None, MUL1_H=_mul1_h(w),
-                                               SPLIT=part.shape[0], BM=BM, num_warps=warps)
+    _linear_epilogue(part, sums, w.svh, bias, out, M, w)
     return out.reshape(*x.shape[:-1], w.out_features)
+
+
+def exl3_linear_slices(x: torch.Tensor, slices: Exl3Slices, backend: str = "auto") -> torch.Tensor:
+    """Every layer of `slices` on x (..., in_features): (..., their outputs side by side) in x's dtype. Below the
+    dense path's rows one launch each of rotation, GEMM and epilogue takes all slices (each slice rotating its own
+    copy of the rows); from there each layer's slices are decoded once and multiplied as exl3_linear does."""
+    w = slices.stack
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"exl3_linear_slices: input has {x.shape[-1]} features, the layers take {w.in_features}")
+    if pick_backend(backend, x.device) == "torch":
+        return exl3_slices_ref(x.reshape(-1, x.shape[-1]), slices).reshape(*x.shape[:-1], slices.out_features)
+    a = _padded_rows(x, w.k)
+    M, S, dev = a.shape[0], w.experts, x.device
+    _eager_tables((w,), dev)
+    launch = _linear_launch(M, w, dev, S)
+    out = torch.empty(M, slices.out_features, device=dev, dtype=x.dtype)
+    if _dense_call(M, launch, w, dev):
+        _, rows, zeros = _row_chunks(M, launch.BM, dev)
+        dense = decode_experts(w, torch.arange(S, device=dev, dtype=torch.int32), _mul1_h(w))  # (S, k, width)
+        for layer in range(len(slices.widths)):
+            s0, s1 = slices.bounds(layer)
+            a0, _, sums, _ = _rotate(a, rows, zeros + s0, w, None, M, launch)  # the layer's suh: its first slice's
+            part = torch.empty(1, M, (s1 - s0) * w.n, device=dev, dtype=torch.float32)
+            _mm32(a0, dense[s0:s1].transpose(0, 1).reshape(w.k, -1), part[0])
+            _linear_epilogue(part, sums, w.svh[s0:s1], None, out[:, s0 * w.n:s1 * w.n], M, w)
+    else:
+        chunks, rows, expert = _row_chunks(M, launch.BM, dev, S)
+        a0, _, sums, _ = _rotate(a, rows, expert, w, None, S * M, launch)
+        part = torch.empty(launch.split, S * M, w.n, device=dev, dtype=torch.float32)
+        _gemm(a0, a0, chunks, w, part, None, None, launch)
+        _linear_epilogue(part, sums, w.svh, None, out, M, w)
+    return out.reshape(*x.shape[:-1], slices.out_features)
 
 
 def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: Exl3Experts,

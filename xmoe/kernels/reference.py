@@ -5,7 +5,7 @@ Weights are decoded whole (format.decode_weight) and applied with matmuls in fp3
 import torch
 
 from ..format.layer import decode_weight
-from .weights import Exl3Experts, Exl3Weight
+from .weights import Exl3Experts, Exl3Slices, Exl3Weight
 
 
 def _pad(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -20,6 +20,13 @@ def exl3_linear_ref(x: torch.Tensor, w: Exl3Weight, bias: torch.Tensor | None = 
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def exl3_slices_ref(x: torch.Tensor, slices: Exl3Slices) -> torch.Tensor:
+    """Every layer of `slices` on x (M, in_features): their outputs side by side, in x's dtype."""
+    w = slices.stack
+    dense = torch.cat([decode_weight(w.tensors(s)) for s in range(w.experts)], dim=1)  # (k, sum of the widths)
+    return (_pad(x.float(), w.k) @ dense).to(x.dtype)
 
 
 def activation_ref(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:

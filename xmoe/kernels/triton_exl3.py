@@ -353,21 +353,24 @@ def _products(p_ptr, sums_ptr, pos, cols, live, P, n, KB, SPLIT: tl.constexpr, M
 
 
 @triton.jit
-def linear_epilogue(p_ptr, sums_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, n_out, KB,
+def linear_epilogue(p_ptr, sums_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, n_out, KB, per_slice, stride_out,
                     HAS_BIAS: tl.constexpr, MUL1_H: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
-    """out[pos, :n_out] = (H_128 sum_split p[:, pos]) * svh (+ bias), in out's dtype (MUL1_H: _products)."""
+    """out[pos, :n_out] = (H_128 sum_split p[:, pos]) * svh (+ bias), in out's dtype (MUL1_H: _products). Positions
+    come in slices of per_slice rows (ops.exl3_linear_slices; one slice for a layer): slice s takes svh[s] and
+    writes its rows' columns s n .. of out, whose rows are stride_out apart."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     had = load_had(had_ptr)
     live = rows < P
     mask = live[:, None]
+    piece = (rows // per_slice)[:, None] * n
     y = rotate_out(_products(p_ptr, sums_ptr, rows, cols, live, P, n, KB, SPLIT, MUL1_H), had,
                    out_ptr.dtype.element_ty)
-    y = y * tl.load(svh_ptr + cols).to(tl.float32)[None, :]
+    y = y * tl.load(svh_ptr + piece + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=cols < n_out, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * n_out + cols[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=mask & (cols < n_out)[None, :])
+    at = (rows % per_slice).to(tl.int64)[:, None] * stride_out + piece + cols[None, :]
+    tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=mask & (cols < n_out)[None, :])
 
 
 @triton.jit

@@ -1,4 +1,5 @@
 """EXL3 weights as the kernels take them: one linear layer, or one projection of all experts stacked."""
+import math
 from dataclasses import dataclass
 
 import torch
@@ -87,3 +88,41 @@ class Exl3Experts:
     @property
     def count(self) -> int:
         return self.gate.experts
+
+
+@dataclass(frozen=True)
+class Exl3Slices:
+    """Linear layers that read one input (q, k and v; gate and up), cut into column slices of one width and
+    stacked like experts: `stack` holds slice s of the merged output columns s w .. (s + 1) w, w = the widths'
+    greatest common divisor, with its own layer's suh. One rotation, one grouped GEMM and one epilogue then
+    serve every layer of the call, where each layer alone took three launches. `widths`: the layers' outputs."""
+    stack: Exl3Weight
+    widths: tuple
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.widths)
+
+    def bounds(self, layer: int) -> tuple:
+        """The first and end slice of a layer."""
+        first = sum(self.widths[:layer]) // self.stack.n
+        return first, first + self.widths[layer] // self.stack.n
+
+    @classmethod
+    def of(cls, layers: list, name: str = "layer") -> "Exl3Slices":
+        """The slices of `layers` (Exl3Weight), which must share their input, K and codebook and have outputs of
+        whole 128-column blocks; ValueError says which does not."""
+        first = layers[0]
+        for i, w in enumerate(layers):
+            if (w.k, w.in_features, w.K, w.codebook) != (first.k, first.in_features, first.K, first.codebook):
+                raise ValueError(f"{name}: part {i} takes {w.in_features} inputs at K={w.K} {w.codebook}, part 0 "
+                                 f"{first.in_features} at K={first.K} {first.codebook}")
+            if w.out_features != w.n:
+                raise ValueError(f"{name}: part {i} has {w.out_features} outputs, not a multiple of 128")
+        width = math.gcd(*(w.n for w in layers))
+        pieces = [w.trellis.unflatten(1, (w.n // width, width // 16)).transpose(0, 1) for w in layers]
+        stack = Exl3Weight(torch.cat(pieces).contiguous(),
+                           torch.cat([w.suh.expand(w.n // width, -1) for w in layers]).contiguous(),
+                           torch.cat([w.svh.view(-1, width) for w in layers]), first.K, first.codebook,
+                           first.in_features, width)
+        return cls(stack, tuple(w.n for w in layers))

@@ -1,14 +1,18 @@
 """EXL3 dense linear layers in vLLM (e.g. fully-EXL3 models made by exllamav3). On GPUs the EXL3 tensors
 stay as they are and the Triton kernel decodes them on the fly; on the CPU each layer is decoded to the
 compute dtype once loading ends and runs as a plain matmul."""
+import logging
+
 import torch
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
 
 from ..format.layer import decode_weight, slice_layer
-from ..kernels.ops import exl3_linear
-from ..kernels.weights import Exl3Weight
+from ..kernels.ops import exl3_linear, exl3_linear_slices
+from ..kernels.weights import Exl3Slices, Exl3Weight
 from .moe import collector
+
+log = logging.getLogger(__name__)
 
 
 class Exl3LinearMethod(LinearMethodBase):
@@ -32,6 +36,9 @@ class Exl3LinearMethod(LinearMethodBase):
         if self.backend == "triton":
             layer._weights = [self._slice(layer._exl3[key], row_parallel, rank, in_part, in_full, out)
                               for key, out in zip(shards, out_parts)]
+            layer._slices = self._merge(layer._weights)
+            if layer._slices is not None:
+                layer._weights = None
             for suffix in self.suffixes:
                 delattr(layer, suffix)
             del layer._exl3
@@ -58,7 +65,20 @@ class Exl3LinearMethod(LinearMethodBase):
                 raise ValueError(f"exl3: {self.prefix}: cannot take rank {rank}'s slice: {err}") from None
         return Exl3Weight.from_tensors(tensors, in_part if row_parallel else in_full, out, self.prefix)
 
+    def _merge(self, weights: list) -> Exl3Slices | None:
+        """A merged layer's parts (q, k, v; gate, up) as one set of launches, where they allow it."""
+        if len(weights) == 1:
+            return None
+        try:
+            return Exl3Slices.of(weights, self.prefix)
+        except ValueError as err:
+            log.info("exl3: %s runs its %d parts one at a time: %s", self.prefix, len(weights), err)
+            return None
+
     def apply(self, layer, x, bias=None):
+        if self.backend == "triton" and layer._slices is not None:
+            y = exl3_linear_slices(x, layer._slices, backend="triton")
+            return y if bias is None else y + bias
         if self.backend == "triton":
             y = [exl3_linear(x, w, backend="triton") for w in layer._weights]
             y = y[0] if len(y) == 1 else torch.cat(y, dim=-1)
