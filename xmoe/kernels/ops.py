@@ -535,7 +535,8 @@ def _row_chunks(M: int, BM: int, device: torch.device, slices: int = 1) -> tuple
     expert = torch.arange(slices, device=device, dtype=torch.int32).repeat_interleave(len(starts))
     count = torch.full((1,), len(pos), device=device, dtype=torch.int32)
     rows = torch.arange(M, device=device, dtype=torch.int32).repeat(slices)
-    made = (pos, length, expert, count, len(pos)), rows, expert.repeat_interleave(length)
+    at = torch.arange(slices, device=device, dtype=torch.int32).repeat_interleave(M)  # an int: no sync in captures
+    made = (pos, length, expert, count, len(pos)), rows, at
     if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
         if len(_ROW_CHUNKS) >= 256:
             _ROW_CHUNKS.clear()
