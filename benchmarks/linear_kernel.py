@@ -71,7 +71,8 @@ def stock_sliced(ext, layers, x, codebook):
     outs = [torch.empty(m, w.n, device=x.device, dtype=torch.half) for w in layers]
     cut = [(i, w, n0) for i, w in enumerate(layers) for n0 in range(0, w.n, width)]
     tables = dict(trellis=[w.trellis.data_ptr() + n0 // 16 * w.trellis.shape[-1] * 2 for _, w, n0 in cut],
-                  svh=[w.svh.data_ptr() + n0 * 2 for _, w, n0 in cut], out=[outs[i].data_ptr() + n0 * 2 for i, _, n0 in cut])
+                  svh=[w.svh.data_ptr() + n0 * 2 for _, w, n0 in cut],
+                  out=[outs[i].data_ptr() + n0 * 2 for i, _, n0 in cut])
     tables = {key: torch.tensor(v, dtype=torch.long, device=x.device) for key, v in tables.items()}
     ints = lambda v: torch.tensor(v, dtype=torch.int32, device=x.device)  # noqa: E731
     sizes, strides, sources = ints([width] * len(cut)), ints([w.n for _, w, _ in cut]), ints([i for i, _, _ in cut])
