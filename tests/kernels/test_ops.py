@@ -350,6 +350,9 @@ def test_mma_plan(monkeypatch):
     assert not ops.plan(36, 1152, 5120, 12.0, 132, mma=True).mma  # the tiled decoder's tl.dot launch up to 16
     assert ops.plan(36, 1152, 5120, 12.0, 132, K=3, mma=True).BM == 32  # none at K = 3
     assert not ops.plan(36, 1152, 5120, 200.0, 132, mma=True).mma
+    mid = ops.plan(1, 1152, 5120, 12.0, 132, mma=True, mid=True)  # a dense layer of 9-16 rows: chunks of 16
+    assert mid.mma and mid.BM == 16 and ops.plan(1, 1152, 5120, 12.0, 132, K=3, mma=True, mid=True).BM == 16
+    assert ops.plan(1, 1152, 5120, 17.0, 132, K=3, mma=True, mid=True).BM == 32
     assert ops.plan(1, 2304, 5120, 64.0, 132, K=3, mma=True, rows_mma=127).BM == 32  # a K = 3 dense layer's reach
     assert ops.plan(36, 1152, 5120, 1.0, 132, K=3, mma=True).mma  # K = 3: no tiled decoder, but grouped_mma's
     monkeypatch.setitem(ops.TUNED, ("mma", True), (8, 32, 256, 4, 1))
@@ -425,7 +428,8 @@ GPU_LINEAR = [(M, k, n, K, cb, bias) for M in (1, 6, 7, 33, 222, 1542) for (k, n
               for K, cb in ((2, "mcg"), (3, "mul1"), (4, "3inst")) for bias in (False,)] + \
              [(8, 2048, 640, 2.5, "mul1", True), (1, 4096, 4096, 8, "mcg", False), (64, 1000, 300, 1, "mcg", True)] + \
              [(M, 5120, 1152, 3, cb, False) for M in (1, 7, 33) for cb in ("mcg", "3inst")] + \
-             [(M, 5120, 1152, K, "mul1", False) for M in (1, 7) for K in (2, 4)]
+             [(M, 5120, 1152, K, "mul1", False) for M in (1, 7) for K in (2, 4)] + \
+             [(M, 5120, 1152, K, cb, False) for M in (12, 16) for K, cb in ((2, "mcg"), (3, "mul1"), (4, "3inst"))]
 GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
            for M in (1, 6, 7, 33, 222, 1542) for (E, h, i, k) in ((8, 576, 1536, 2), (384, 1024, 384, 6))
            for K, cb in ((2, "mcg"), (3, "mul1"), (4, "3inst")) for s in (False, True)] + \
@@ -443,9 +447,11 @@ GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
 def decoder(request, monkeypatch):
     """The default launches, and each path on every case: gather, tiled on tensor cores (plain or swapped
     operands), tiled on CUDA cores (grouped_gemv, chunks of up to 2 rows), tiled on mma.sync (grouped_mma,
-    chunks of up to 8 rows, or of 32: "rows", where it can run)."""
+    chunks of up to 8 rows, or of 32: "rows", where it can run). The default also takes dense layers of 9-16 rows
+    on grouped_mma in chunks of 16 ("mid")."""
     monkeypatch.setattr(ops, "DECODER", request.param.split("-")[0])
     if request.param != "tiled":
+        monkeypatch.setattr(ops, "MID_ROWS", 0)
         monkeypatch.setattr(ops, "SWAP_AB", {"decode", "prefill"} if request.param.endswith("swap") else set())
         monkeypatch.setattr(ops, "GEMV_ROWS", float("inf") if request.param.endswith("gemv") else 0)
         monkeypatch.setattr(ops, "MMA_ROWS", float("inf") if request.param.endswith("mma") else 0)
@@ -470,7 +476,7 @@ def test_moe_gpu(case, decoder):
     check_moe(**case, device="cuda")
 
 
-GPU_SLICES = [(M, 5120, widths, K, cb) for M in (1, 6, 33, 200) for widths, K, cb in
+GPU_SLICES = [(M, 5120, widths, K, cb) for M in (1, 6, 16, 33, 200) for widths, K, cb in
               (((5120, 1024, 1024), 2, "mcg"), ((2304, 2304), 3, "mcg"), ((4096, 512, 512), 2, "mul1"),
                ((1024, 512), 4, "3inst"))]
 

@@ -101,9 +101,14 @@ ROWS_MMA = 32
 # rows: dense layers of 16 rows took as long or less that way (5120 x 2304, K = 2: 22.3 against 29.3 us), while at
 # K = 3 the "rows" regime took half the gather decoder's time from 16 rows on.
 ROWS_MMA_TILED = 16
+# Dense layers (and merged ones, exl3_linear_slices) of more rows than MMA_ROWS up to this many take grouped_mma in
+# chunks of 16 ("mid", the "rows" regime's kernel): on the H200, 16 layers in one graph at 12 and 16 rows, K = 2 and
+# 3, 17-28% faster than the tl.dot or 32-row launches in 15 of 16 cases, 4% slower in one
+# (docs/data/linear_kernel_h200_twentieth_mid.txt). MoE calls keep their regimes.
+MID_ROWS = 16
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
          ("mma", True): (8, 32, 128, 4, 1), ("gemv", True): (2, 64, 64, 4, 1), ("decode", True): (16, 64, 64, 4, 2),
-         ("prefill", True): (64, 64, 128, 4, 1), ("rows", True): (32, 16, 256, 4, 1)}
+         ("prefill", True): (64, 64, 128, 4, 1), ("rows", True): (32, 16, 256, 4, 1), ("mid", True): (16, 32, 128, 4, 1)}
 
 
 # An expert with at least this many rows in one call (prefill) is decoded to fp16 once and multiplied by dense_gemm
@@ -148,15 +153,19 @@ ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spil
 # split counts chunks as uniform routing would make them, so skewed calls, with fewer experts, get too few programs:
 # on the H200 "mma" at 24 against 16 took 201 against 249 us at 24 skewed tokens, 161 against 166 at 12, and as
 # long within 2% at 6-48 uniform tokens (docs/data/moe_kernel_h200_fifteenth_fill.txt, _fifteenth.txt).
-FILL = {"mma": 24, "rows": 16, "gemv": 32, "decode": 4, "prefill": 4}
+FILL = {"mma": 24, "rows": 16, "mid": 16, "gemv": 32, "decode": 4, "prefill": 4}
 
 
-def regime(rows_per_chunk: float, tiled: bool = True, mma: bool = False, rows_mma: float | None = None) -> str:
+def regime(rows_per_chunk: float, tiled: bool = True, mma: bool = False, rows_mma: float | None = None,
+           mid: bool = False) -> str:
     """The row regime, the key of TUNED and SWAP_AB: "mma" (where grouped_mma can run) up to MMA_ROWS rows per
-    chunk and "rows" up to `rows_mma` (ROWS_MMA unless given; with the tiled decoder, from ROWS_MMA_TILED), "gemv"
-    (tiled decoder only) for about one row per weight, "decode" for a few, else "prefill"."""
+    chunk, then for dense layers (`mid`) "mid" up to MID_ROWS, and "rows" up to `rows_mma` (ROWS_MMA unless given;
+    with the tiled decoder, from ROWS_MMA_TILED), "gemv" (tiled decoder only) for about one row per weight,
+    "decode" for a few, else "prefill"."""
     if mma and rows_per_chunk <= MMA_ROWS:
         return "mma"
+    if mma and mid and rows_per_chunk <= MID_ROWS:
+        return "mid"
     if mma and rows_per_chunk <= (rows_mma or ROWS_MMA) and not (tiled and rows_per_chunk <= ROWS_MMA_TILED):
         return "rows"
     if tiled and rows_per_chunk <= GEMV_ROWS:
@@ -198,13 +207,13 @@ def _gluon_refusal() -> str | None:
 
 
 def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float = 2, gemv: bool = True,
-         mma: bool = False, rows_mma: float | None = None) -> Launch:
+         mma: bool = False, rows_mma: float | None = None, mid: bool = False) -> Launch:
     """Tile sizes by regime (gemv=False: never grouped_gemv or grouped_mma; mma: grouped_mma can run; rows_mma:
-    the "rows" regime's last rows per chunk, ROWS_MMA unless given); enough K splits to give each multiprocessor
-    about FILL programs."""
+    the "rows" regime's last rows per chunk, ROWS_MMA unless given; mid: a dense layer's); enough K splits to give
+    each multiprocessor about FILL programs."""
     tiled = _tiled(K)
-    mode = regime(rows_per_chunk, tiled and gemv, gemv and mma, rows_mma)
-    on_mma = mode in ("mma", "rows")
+    mode = regime(rows_per_chunk, tiled and gemv, gemv and mma, rows_mma, mid)
+    on_mma = mode in ("mma", "rows", "mid")
     BM, BK, BN, warps, stages = TUNED[mode, tiled or on_mma]
     BN = min(BN, n)
     while n % BN:  # n is a multiple of 128, BN a power of two: every column block whole
@@ -548,7 +557,7 @@ def _linear_launch(M: int, w: Exl3Weight, device: torch.device, slices: int = 1)
     # without the tiled decoder, grouped_mma's chunks up to the dense path's rows: the gather decoder took 142-174 us
     # at 64 rows (H200, 5120 x 2304 and 2304 x 5120, K = 3), two chunks of 32 rows 37-38
     return plan(slices * -(-M // 16), w.n, w.k, M, _sms(device), w.K, mma=mma_refusal(w, device) is None,
-                rows_mma=None if _tiled(w.K) or not ROWS_MMA else DENSE_ROWS - 1)
+                rows_mma=None if _tiled(w.K) or not ROWS_MMA else DENSE_ROWS - 1, mid=True)
 
 
 def _linear_epilogue(part, sums, svh, bias, out, per_slice: int, w: Exl3Weight) -> None:
