@@ -102,13 +102,14 @@ ROWS_MMA = 32
 # K = 3 the "rows" regime took half the gather decoder's time from 16 rows on.
 ROWS_MMA_TILED = 16
 # Dense layers (and merged ones, exl3_linear_slices) of more rows than MMA_ROWS up to this many take grouped_mma in
-# chunks of 16 ("mid", the "rows" regime's kernel): on the H200, 16 layers in one graph at 12 and 16 rows, K = 2 and
-# 3, 17-28% faster than the tl.dot or 32-row launches in 15 of 16 cases, 4% slower in one
-# (docs/data/linear_kernel_h200_twentieth_mid.txt). MoE calls keep their regimes.
+# chunks of 16 ("mid", the "rows" regime's kernel): on the H200, 16 layers in one graph at 9, 12 and 16 rows, K = 2
+# and 3, six shapes, 3-30% faster than the tl.dot or 32-row launches in 35 of 36 cases and 3% slower in one
+# (docs/data/linear_kernel_h200_twentieth_mid.txt). MoE calls keep their regimes (not timed this way).
 MID_ROWS = 16
 TUNED = {("decode", False): (16, 64, 32, 4, 1), ("prefill", False): (64, 16, 32, 4, 1),
          ("mma", True): (8, 32, 128, 4, 1), ("gemv", True): (2, 64, 64, 4, 1), ("decode", True): (16, 64, 64, 4, 2),
-         ("prefill", True): (64, 64, 128, 4, 1), ("rows", True): (32, 16, 256, 4, 1), ("mid", True): (16, 32, 128, 4, 1)}
+         ("prefill", True): (64, 64, 128, 4, 1), ("rows", True): (32, 16, 256, 4, 1),
+         ("mid", True): (16, 32, 128, 4, 1)}
 
 
 # An expert with at least this many rows in one call (prefill) is decoded to fp16 once and multiplied by dense_gemm
