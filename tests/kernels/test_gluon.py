@@ -143,6 +143,7 @@ def resources(cubin: bytes, tmp_path: Path) -> dict:
 
 
 ROWS_TILE = ops.TUNED["rows", True]  # the "rows" regime's (BM, BK, BN, warps, stages)
+MID_TILE = ops.TUNED["mid", True]  # dense layers of 9-16 rows: the same kernel at another tile
 
 
 @pytest.mark.parametrize("K, CB, DUAL, BN, BK, arch, ROWS", [
@@ -153,7 +154,8 @@ ROWS_TILE = ops.TUNED["rows", True]  # the "rows" regime's (BM, BK, BN, warps, s
     (4, 2, True, 128, 32, 80, 8), (2.5, 2, True, 128, 32, 90, 8), (3.5, 2, False, 128, 32, 90, 8),
     (1.5, 2, False, 128, 32, 90, 8)] +
     [(K, CB, False, ROWS_TILE[2], ROWS_TILE[1], 90, ROWS_TILE[0]) for K, CB in ((2, 1), (2, 2), (3, 1), (4, 0),
-                                                                               (2.5, 2), (3, 2))])
+                                                                               (2.5, 2), (3, 2))] +
+    [(K, CB, False, MID_TILE[2], MID_TILE[1], 90, MID_TILE[0]) for K, CB in ((2, 1), (3, 2), (4, 0), (1.5, 2))])
 def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, ROWS, tmp_path):
     kernel = compiled(K, CB, DUAL, BN, BK, arch, ROWS)
     assert kernel.metadata.shared == 0, "a decoded weight went through shared memory"
