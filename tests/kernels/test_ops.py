@@ -225,7 +225,8 @@ def test_rows_regime_interpreter():
                                                                     codebook="mul1", skew=False)]
     run_interpreted("\n".join([
         "calls, launches, emulated = emulate_mma(), [], ops._gemm",
-        "ops._gemm = lambda *a: launches.append(a[-1]) or emulated(*a)", "ops.MMA_ROWS = ops.ROWS_MMA_TILED = 0",
+        "ops._gemm = lambda *a: launches.append(a[-1]) or emulated(*a)",
+        "ops.MMA_ROWS = ops.ROWS_MMA_TILED = ops.MID_ROWS = 0",
         "ops.ROWS_MMA = float('inf')",
         *(f"check_linear(*{c}, 'cpu')" for c in SMALL_LINEAR), *(f"check_moe(**{c}, device='cpu')" for c in moe),
         "assert launches and all(l.mma and l.BM == 32 for l in launches), launches",
@@ -236,6 +237,18 @@ def test_rows_regime_interpreter():
         "assert all(l.BM == 32 for l in launches), launches", "launches.clear()",
         f"check_moe(**{dict(SMALL_MOE[2], M=24, top_k=1)}, device='cpu')",  # none dense: still grouped_mma
         "assert hot[-1] is None and launches and all(l.mma for l in launches), (hot, launches)"]))
+
+
+def test_mid_regime_interpreter():
+    """Dense and merged layers of 9-16 rows on grouped_mma in chunks of 16 ("mid"; emulate_mma), at the defaults."""
+    pytest.importorskip("triton")
+    run_interpreted("\n".join([
+        "calls, launches, emulated = emulate_mma(), [], ops._gemm",
+        "ops._gemm = lambda *a: launches.append(a[-1]) or emulated(*a)",
+        *(f"check_linear({M}, 256, 128, {K}, '{cb}', False, 'cpu')" for M in (9, 16) for K, cb in ((2, "mcg"),
+                                                                                                 (3, "mul1"))),
+        *(f"check_slices({M}, 256, (256, 128), 2, 'mul1', 'cpu')" for M in (12, 16)),
+        "assert len(launches) == 6 and all(l.mma and l.BM == 16 for l in launches), launches"]))
 
 
 def test_gemv_interpreter():
