@@ -10,7 +10,6 @@ ops.MMA_MAXNREG, and in the "rows" regime at ops.ROWS_MAXNREG) and decode_weight
 import argparse
 import collections
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,9 +17,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+from cubins import compile_gluon, cuobjdump, resources  # noqa: E402
 from xmoe.kernels import ops, triton_exl3, triton_gemv  # noqa: E402
-
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ARGS = [("a0_ptr", "*fp16"), ("a1_ptr", "*fp16"), ("chunk_pos_ptr", "*i32"), ("chunk_len_ptr", "*i32"),
         ("chunk_expert_ptr", "*i32"), ("n_chunks_ptr", "*i32"), ("t0_ptr", "*i32"), ("t1_ptr", "*i32"),
         ("table_ptr", "*i32"), ("p0_ptr", "*fp32"), ("p1_ptr", "*fp32"), ("P", "i32"), ("k", "i32"), ("n", "i32"),
@@ -58,12 +57,6 @@ def compile_variant(arch, BM, BN, BK, warps, stages, dual, tiled, swap=False, ge
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
-def tool(name, cubin: bytes, *args) -> str:
-    path = Path("/tmp/xmoe_kernel_sass.cubin")
-    path.write_bytes(cubin)
-    return subprocess.run([str(BIN / name), *args, str(path)], capture_output=True, text=True, check=True).stdout
-
-
 def loop_ops(sass: str) -> list[collections.Counter]:
     """Opcode counts between the target and the source of each backward branch (the K loops; grouped_gemv has
     one for chunks of one row, then one for two), in code order."""
@@ -86,17 +79,16 @@ def viterbi(arch: int, warps: int = 16) -> None:
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts,
                                         attrs={(i,): [["tt.divisibility", 16]] for i in range(3)})
         cubin = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps)).asm["cubin"]
-        usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
-        counts = max(loop_ops(tool("cuobjdump", cubin, "-sass")), key=lambda c: sum(c.values()))
+        usage = resources(cubin)
+        counts = max(loop_ops(cuobjdump(cubin, "-sass")), key=lambda c: sum(c.values()))
         per = 65536 / (32 * warps)
         print(f"viterbi_half K={K} pass 2, MCG, sm_{arch}, Triton {triton.__version__}, {warps} warps: "
-              f"{usage.group(1)} registers, {usage.group(2)} B stack\n  step loop: {sum(counts.values()) / per:.2f} "
+              f"{usage['REG']} registers, {usage['STACK']} B stack\n  step loop: {sum(counts.values()) / per:.2f} "
               f"instructions per candidate ({', '.join(f'{op} {n / per:.2f}' for op, n in counts.most_common(10))})")
 
 
 def gluon_kernels(arch: int, codebook: str) -> None:
     """grouped_mma (gate and up, and down alone) and decode_weights at ops' launch settings."""
-    from triton.experimental import gluon
     from xmoe.kernels import gluon_mma
 
     _, BK, BN, warps, _ = ops.TUNED["mma", True]
@@ -119,20 +111,14 @@ def gluon_kernels(arch: int, codebook: str) -> None:
                  dict(mma, DUAL=False, BN=RN, BK=RK, ROWS=RM, UNROLL=1), ops.ROWS_MAXNREG),
                 ("decode_weights", gluon_mma.decode_weights, decode_args,
                  dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8, MUL1_H=CB == 2), 0)):
-            names = [a for a in fn.arg_names if a in args or a in consts]
-            aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in args
-                       if a.endswith("_ptr") or a in ("k", "n", "stride_te")}
-            src = gluon._runtime.GluonASTSource(fn, signature={a: args.get(a, "constexpr") for a in names},
-                                                attrs=aligned,
-                                                constexprs={(names.index(c),): v for c, v in consts.items()})
-            options = dict(num_warps=warps, **ops._maxnreg(registers))
-            cubin = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["cubin"]
-            usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
-            counts = max(loop_ops(tool("cuobjdump", cubin, "-sass")), key=lambda c: sum(c.values()))
+            kernel = compile_gluon(fn, args, consts, arch, num_warps=warps, **ops._maxnreg(registers))
+            cubin = kernel.asm["cubin"]
+            usage = resources(cubin)
+            counts = max(loop_ops(cuobjdump(cubin, "-sass")), key=lambda c: sum(c.values()))
             per = (128 * 32 if name == "decode_weights" else  # weights a thread in the loop's K steps
                    consts["BK"] * consts["BN"] * (1 + consts["DUAL"]) * consts["UNROLL"]) / (32 * warps)
             top = ", ".join(f"{op} {n / per:.2f}" for op, n in counts.most_common(8))
-            print(f"K={K} {name:<16}: {usage.group(1)} registers, {usage.group(2)} B stack; K loop "
+            print(f"K={K} {name:<16}: {usage['REG']} registers, {usage['STACK']} B stack; K loop "
                   f"{sum(counts.values()) / per:.2f} instructions per decoded weight ({top})")
 
 
@@ -152,14 +138,14 @@ def main():
         kernel = compile_variant(args.arch, BM, BN, BK, warps, stages, dual, tiled, swap, gemv,
                                  CB=ops.CODEBOOK_ID[args.codebook])
         cubin = kernel.asm["cubin"]
-        usage = re.search(r"REG:(\d+) STACK:(\d+)", tool("cuobjdump", cubin, "-res-usage"))
-        loops = loop_ops(tool("cuobjdump", cubin, "-sass"))
+        usage = resources(cubin)
+        loops = loop_ops(cuobjdump(cubin, "-sass"))
         if not gemv:  # the K loop is the longest
             loops = [max(loops, key=lambda c: sum(c.values()))]
         # products (decoded weight x row) per thread and iteration: a two-row chunk of grouped_gemv halves BK
         per = BK * BN * (2 if dual else 1) / (32 * warps)
-        print(f"{name:<20} BM={BM} BN={BN} BK={BK} warps={warps}{' swap' if swap else ''}: {usage.group(1)} registers, "
-              f"{usage.group(2)} B stack")
+        print(f"{name:<20} BM={BM} BN={BN} BK={BK} warps={warps}{' swap' if swap else ''}: {usage['REG']} registers, "
+              f"{usage['STACK']} B stack")
         for rows, counts in enumerate(loops, 1):
             top = ", ".join(f"{op} {n / per:.2f}" for op, n in counts.most_common(8))
             what = f"{rows}-row chunks" if gemv else "K loop"

@@ -2,8 +2,7 @@
 compiled for sm_90 and sm_80 (Triton compiles without a GPU). The kernel asserts at compile time that no value
 moves between threads on its way into the MMA, so a layout that would need shared memory or shuffles fails here.
 Its numbers are checked on a GPU by test_ops.py (the `tiled-mma` cases) against the torch reference."""
-import re
-import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +14,8 @@ from xmoe.format.trellis import tile_perm, unpack_states
 
 gluon = pytest.importorskip("triton.experimental.gluon")
 
-from triton import compile as triton_compile  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from cubins import compile_gluon, resources  # noqa: E402
 
 from xmoe.kernels import ops  # noqa: E402
 from xmoe.kernels import gluon_mma, triton_exl3  # noqa: E402
@@ -104,17 +103,6 @@ POINTERS = {"a0_ptr": "*i32", "a1_ptr": "*i32", "chunk_pos_ptr": "*i32", "chunk_
 SCALARS = {"P": "i32", "k": "i32", "stride_te": "i32", "mask": "i32"}
 
 
-def compile_gluon(fn, args: dict, const: dict, arch: int, **options):
-    """fn compiled for sm_`arch` (no GPU needed), its pointers and sizes aligned as at V4.1 shapes."""
-    names = [name for name in fn.arg_names if name in args or name in const]
-    aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in args
-               if a.endswith("_ptr") or a in ("k", "n", "stride_te")}
-    signature = {name: args.get(name, "constexpr") for name in names}
-    src = gluon._runtime.GluonASTSource(fn, signature=signature, attrs=aligned,
-                                        constexprs={(names.index(a),): v for a, v in const.items()})
-    return triton_compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-
-
 def registers(DUAL: bool, ROWS: int) -> int:
     """The registers ops gives a grouped_mma launch (0: the compiler's choice)."""
     return ops.ROWS_MAXNREG if ROWS > 8 else ops.MMA_MAXNREG[not DUAL]
@@ -132,16 +120,6 @@ def compiled(K: int, CB: int, DUAL: bool, BN: int, BK: int, arch: int, ROWS: int
                          **ops._maxnreg(registers(DUAL, ROWS)))
 
 
-def resources(cubin: bytes, tmp_path: Path) -> dict:
-    """Registers a thread and local memory (spills) of a compiled kernel, from cuobjdump."""
-    import triton
-    path = tmp_path / "kernel.cubin"
-    path.write_bytes(cubin)
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout
-    return {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
-
-
 ROWS_TILE = ops.TUNED["rows", True]  # the "rows" regime's (BM, BK, BN, warps, stages)
 MID_TILE = ops.TUNED["mid", True]  # dense layers of 9-16 rows: the same kernel at another tile
 
@@ -156,10 +134,10 @@ MID_TILE = ops.TUNED["mid", True]  # dense layers of 9-16 rows: the same kernel 
     [(K, CB, False, ROWS_TILE[2], ROWS_TILE[1], 90, ROWS_TILE[0]) for K, CB in ((2, 1), (2, 2), (3, 1), (4, 0),
                                                                                (2.5, 2), (3, 2))] +
     [(K, CB, False, MID_TILE[2], MID_TILE[1], 90, MID_TILE[0]) for K, CB in ((2, 1), (3, 2), (4, 0), (1.5, 2))])
-def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, ROWS, tmp_path):
+def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, ROWS):
     kernel = compiled(K, CB, DUAL, BN, BK, arch, ROWS)
     assert kernel.metadata.shared == 0, "a decoded weight went through shared memory"
-    usage = resources(kernel.asm["cubin"], tmp_path)  # within ops' register limit, nothing spilled
+    usage = resources(kernel.asm["cubin"])  # within ops' register limit, nothing spilled
     assert usage["REG"] <= (registers(DUAL, ROWS) or 255) and usage["STACK"] == usage["LOCAL"] == 0, usage
     ptx = kernel.asm["ptx"]
     mmas = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
@@ -173,14 +151,14 @@ def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, R
 
 @pytest.mark.parametrize("K, CB, MUL1_H", [(2, 1, False), (3, 0, False), (4, 1, False), (3, 2, False), (2.5, 2, True),
                                            (2, 2, True)])
-def test_decode_weights_compiles(K, CB, MUL1_H, tmp_path):
+def test_decode_weights_compiles(K, CB, MUL1_H):
     """The dense path's decoder (gluon_mma.decode_weights): grouped_mma's lanes, stored in rows of 16 bytes; at
     mul1 with the codebook's fp16 FMA, or without it (MUL1_H, as the GEMMs take the weights)."""
     args = {"t_ptr": "*i32", "expert_ptr": "*i32", "out_ptr": "*fp16", "k": "i32", "n": "i32", "stride_te": "i32",
             "mask": "i32"}
     kernel = compile_gluon(decode_weights, args, dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8, MUL1_H=MUL1_H), 90,
                            num_warps=4)
-    usage = resources(kernel.asm["cubin"], tmp_path)
+    usage = resources(kernel.asm["cubin"])
     assert usage["STACK"] == usage["LOCAL"] == 0, usage
     ptx = kernel.asm["ptx"]
     assert "shfl.sync.idx.b32" in ptx and "st.global.v4.b32" in ptx and "st.global.b16" not in ptx, "16-byte stores"
