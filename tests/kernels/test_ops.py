@@ -627,6 +627,46 @@ for M, E, top_k, BM, skew, ep in ((1, 8, 2, 1, False, False), (6, 384, 6, 1, Tru
 """)
 
 
+def test_route_rotate_equals_route_then_rotate_interpreter():
+    """Decode-size calls route and rotate in one launch (route_rotate), each rotating program finding its slots
+    itself: the routing and the rotated rows and block sums equal route_small's and rotate_rows' exactly, for
+    every operand format, with expert maps, up to ROUTE_SLOTS slots (ops.fused_moe takes it, not route)."""
+    pytest.importorskip("triton")
+    run_interpreted("""
+from xmoe.kernels.routing import ROUTE_SLOTS
+for M, E, top_k, skew, ep, codebook, launch in (
+        (1, 8, 2, False, False, 'mcg', ops.Launch(8, 128, 1, mma=True)),
+        (6, 64, 6, True, False, 'mul1', ops.Launch(8, 128, 1, mma=True)),
+        (7, 16, 8, True, True, 'mul1', ops.Launch(16, 64, 1)),
+        (21, 64, 6, False, True, '3inst', ops.Launch(2, 64, 1, tiled=True, gemv=True)),
+        (16, 8, 8, True, False, 'mcg', ops.Launch(16, 64, 1))):
+    ids, _ = routing(M, E, top_k, skew, seed=M, device='cpu')
+    emap, n = None, E
+    if ep:
+        n = E // 2
+        emap = torch.full((E,), -1, dtype=torch.int32)
+        emap[E // 4:E // 4 + n] = torch.arange(n, dtype=torch.int32)
+    experts = random_experts(n, 256, 128, 2, codebook, seed=E)
+    x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M)).half()
+    P = M * top_k
+    assert P <= ROUTE_SLOTS
+    a = ops.route(ids, n, launch.BM, emap, backend='triton')
+    rotated = ops._rotate(x, a.rows, a.sorted_expert, experts.gate, experts.up, P, launch)
+    b, fused = ops._route_rotate(x, ids, emap, experts.gate, experts.up, launch)
+    for f in ('rows', 'sorted_expert', 'slot_pos', 'slot_expert'):
+        assert torch.equal(getattr(a, f), getattr(b, f)), (M, E, f)
+    count = int(a.chunks[3])
+    assert int(b.chunks[3]) == count and a.chunks[4] == b.chunks[4], (M, E)
+    for u, v in zip(a.chunks[:3], b.chunks[:3]):
+        assert torch.equal(u[:count], v[:count]), (M, E)
+    live = a.sorted_expert < n
+    assert live.any() and (ep or live.all()), (M, E)
+    pairs = zip(rotated, fused) if codebook == 'mul1' else zip(rotated[:2], fused[:2])  # sums only at mul1
+    for u, v in pairs:
+        assert torch.equal(u[live], v[live]), (M, E, codebook)
+""")
+
+
 def test_empty_batch_interpreter():
     """A call with no tokens (a rank with nothing routed to it) returns an empty output, on every backend."""
     pytest.importorskip("triton")

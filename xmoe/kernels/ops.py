@@ -17,7 +17,7 @@ import torch
 from ..format.hadamard import hadamard_128
 from ..format.trellis import state_windows
 from .reference import exl3_linear_ref, exl3_slices_ref, fused_moe_ref
-from .routing import Routing, chunk_bound, expected_experts, route
+from .routing import ROUTE_SLOTS, Routing, chunk_bound, expected_experts, route, small_route
 from .weights import Exl3Experts, Exl3Slices, Exl3Weight
 
 BACKENDS = ("auto", "triton", "torch")
@@ -154,6 +154,9 @@ ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spil
 # split counts chunks as uniform routing would make them, so skewed calls, with fewer experts, get too few programs:
 # on the H200 "mma" at 24 against 16 took 201 against 249 us at 24 skewed tokens, 161 against 166 at 12, and as
 # long within 2% at 6-48 uniform tokens (docs/data/moe_kernel_h200_fifteenth_fill.txt, _fifteenth.txt).
+# Calls of up to routing.ROUTE_SLOTS slots that take no dense path route and rotate in one launch (route_rotate);
+# False: route_small, then rotate_rows.
+ROUTE_ROTATE = True
 FILL = {"mma": 24, "rows": 16, "mid": 16, "gemv": 32, "decode": 4, "prefill": 4}
 
 
@@ -259,21 +262,43 @@ def epilogue_launch(rows: int) -> tuple:
     return EPILOGUE[rows > EPILOGUE_SMALL]
 
 
+def _rotation_buffers(P: int, w: Exl3Weight, second: Exl3Weight | None, launch: Launch,
+                      device: torch.device) -> tuple:
+    """The rotation's outputs (a0, a1, s0, s1): w's rotated rows and, with `second`, its own; their block sums."""
+    a0 = _act_buffer(P, w.k, launch, device)
+    a1 = _act_buffer(P, w.k, launch, device) if second is not None else a0
+    s0 = _sums(P, w.k, w, device)
+    s1 = _sums(P, w.k, w, device) if second is not None else s0
+    return a0, a1, s0, s1
+
+
 def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int, launch: Launch):
     """Rotated inputs (P, k): H_128 (x[rows[pos]] * suh[expert[pos]]), and the same with second's suh, in
     _act_dtype; and their block sums (_sums)."""
     from .triton_exl3 import rotate_rows
-    a0 = _act_buffer(P, w.k, launch, x.device)
-    a1 = _act_buffer(P, w.k, launch, x.device) if second is not None else a0
-    s0 = _sums(P, w.k, w, x.device)
-    s1 = _sums(P, w.k, w, x.device) if second is not None else s0
+    a0, a1, s0, s1 = out = _rotation_buffers(P, w, second, launch, x.device)
     stride_se = w.suh.shape[-1] if w.experts else 0
     BM, warps = epilogue_launch(P)
     rotate_rows[(-(-P // BM), w.k // 128)](x, x.stride(0), rows, expert, w.suh, (second or w).suh, a0, a1, s0, s1,
                                            _had(str(x.device)), P, w.k, max(w.experts, 1), stride_se,
                                            DUAL=second is not None, SUMS=_mul1_h(w), BM=BM,
                                            num_warps=warps)
-    return a0, a1, s0, s1
+    return out
+
+
+def _route_rotate(x, topk_ids, expert_map, w: Exl3Weight, second: Exl3Weight, launch: Launch) -> tuple:
+    """route() and _rotate() for a call of up to ROUTE_SLOTS slots in one launch (triton_exl3.route_rotate): its
+    Routing, and the rotated rows of w and second with their block sums. The call's kernels start one launch
+    sooner: at 6 tokens route_small was 3.4 us, a latency chain."""
+    from .triton_exl3 import route_rotate
+    P = topk_ids.numel()
+    r, args, meta = small_route(topk_ids, w.experts, launch.BM, expert_map)
+    a0, a1, s0, s1 = out = _rotation_buffers(P, w, second, launch, x.device)
+    ROWS, warps = epilogue_launch(P)
+    route_rotate[(-(-P // ROWS) + 1, w.k // 128)](*args, x, x.stride(0), w.suh, second.suh, a0, a1, s0, s1,
+                                                  _had(str(x.device)), w.k, w.suh.shape[-1], **meta, DUAL=True,
+                                                  SUMS=_mul1_h(w), ROWS=ROWS, num_warps=warps)
+    return r, out
 
 
 def _act_dtype(launch: Launch) -> torch.dtype:
@@ -663,17 +688,21 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     rows = _rows_regime(up_launch)
     dot = rows and tuple(replace(plan(unique, w.n, w.k, P / unique, sms, w.K, gemv=False), BM=up_launch.BM)
                          for w in (g, d))
-    r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
+    dense = _dense_call(M, dot[0] if rows else up_launch, g, dev)
     found, hot = None, None
-    if _dense_call(M, dot[0] if rows else up_launch, g, dev):
-        found = _find_hot(r, P, E, _dense_tile(dev)[0], _dense_rows((g, experts.up, d), dev, rows), dev)
-    if rows and found:  # the rotation's format waits for the dense experts
-        hot, found = _hot_experts(found), None
-        up_launch, down_launch = dot if hot else (up_launch, down_launch)
-    # otherwise the GPU rotates while the host waits for the counts of the dense experts
-    a0, a1, s0, s1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
-    if found:
-        hot = _hot_experts(found)
+    if ROUTE_ROTATE and P <= ROUTE_SLOTS and not dense:
+        r, (a0, a1, s0, s1) = _route_rotate(_padded_rows(x, g.k), topk_ids, expert_map, g, experts.up, up_launch)
+    else:
+        r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
+        if dense:
+            found = _find_hot(r, P, E, _dense_tile(dev)[0], _dense_rows((g, experts.up, d), dev, rows), dev)
+        if rows and found:  # the rotation's format waits for the dense experts
+            hot, found = _hot_experts(found), None
+            up_launch, down_launch = dot if hot else (up_launch, down_launch)
+        # otherwise the GPU rotates while the host waits for the counts of the dense experts
+        a0, a1, s0, s1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
+        if found:
+            hot = _hot_experts(found)
     grouped = not (hot and hot.every)  # some experts are left to the grouped kernels
     chunks = _without(r.chunks, hot, E) if hot and grouped else r.chunks
     pg = torch.empty(up_launch.split, P, g.n, device=dev, dtype=torch.float32)

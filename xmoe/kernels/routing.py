@@ -59,19 +59,27 @@ def route(topk_ids: torch.Tensor, experts: int, BM: int, expert_map: torch.Tenso
     return Routing((order // top_k).int(), sorted_e.int(), slot_pos.int(), local.int(), chunks)
 
 
-def _route_small(topk_ids, experts, BM, expert_map) -> Routing:
+def small_route(topk_ids, experts, BM, expert_map) -> tuple:
+    """route_small's outputs, allocated: (the Routing they make, the kernel's arguments, its constexprs), for
+    route_small itself or a launch that routes in one of its programs (triton_exl3.route_rotate)."""
     import triton
-    from .triton_route import route_small
     P, dev = topk_ids.numel(), topk_ids.device
     bound = chunk_bound(P, BM, experts)
     out = torch.empty(4, P, dtype=torch.int32, device=dev)  # rows, sorted_expert, slot_pos, slot_expert
     table = torch.empty(3, bound + 1, dtype=torch.int32, device=dev)
     count = torch.empty(1, dtype=torch.int32, device=dev)
     ids = topk_ids.contiguous()
-    route_small[(1,)](ids, expert_map if expert_map is not None else ids, out[0], out[1], out[2], out[3], table,
-                      count, P, experts, table.stride(0), TOPK=topk_ids.shape[1], BM=BM,
-                      PB=max(16, triton.next_power_of_2(P)), HAS_MAP=expert_map is not None, num_warps=8)
-    return Routing(out[0], out[1], out[2], out[3], (table[0], table[1], table[2], count, bound))
+    args = (ids, expert_map if expert_map is not None else ids, out[0], out[1], out[2], out[3], table, count, P,
+            experts, table.stride(0))
+    meta = dict(TOPK=topk_ids.shape[1], BM=BM, PB=max(16, triton.next_power_of_2(P)), HAS_MAP=expert_map is not None)
+    return Routing(out[0], out[1], out[2], out[3], (table[0], table[1], table[2], count, bound)), args, meta
+
+
+def _route_small(topk_ids, experts, BM, expert_map) -> Routing:
+    from .triton_route import route_small
+    r, args, meta = small_route(topk_ids, experts, BM, expert_map)
+    route_small[(1,)](*args, **meta, num_warps=8)
+    return r
 
 
 def _route_counted(topk_ids, experts, BM, expert_map) -> Routing:

@@ -43,6 +43,20 @@ def route_small(ids_ptr, emap_ptr, rows_ptr, sorted_expert_ptr, slot_pos_ptr, sl
 
 
 @triton.jit
+def sorted_slots(ids_ptr, emap_ptr, pos, P, E, TOPK: tl.constexpr, PB: tl.constexpr, HAS_MAP: tl.constexpr):
+    """route_small's rows and sorted_expert at sorted positions pos, found without its stores: each slot's rank
+    among all P (by key, then slot; one compare of key PB + slot), and the slot whose rank is each position.
+    Positions past P get key E (another rank's, which the caller skips)."""
+    i = tl.arange(0, PB)
+    key = _slot_keys(ids_ptr, emap_ptr, i, i < P, E, HAS_MAP)
+    order = key * PB + i
+    rank = tl.sum((order[None, :] < order[:, None]).to(tl.int32), axis=1)
+    at = rank[None, :] == pos[:, None]  # [position, slot]
+    row = tl.sum(tl.where(at, i[None, :] // TOPK, 0), axis=1)
+    return row, tl.where(pos < P, tl.sum(tl.where(at, key[None, :], 0), axis=1), E)
+
+
+@triton.jit
 def route_counts(ids_ptr, emap_ptr, hist_ptr, P, E, HAS_MAP: tl.constexpr, BP: tl.constexpr, EB: tl.constexpr):
     """hist[b, key]: how many of block b's BP slots go to each key (local expert, E for other ranks)."""
     p = tl.program_id(0) * BP + tl.arange(0, BP)
