@@ -19,7 +19,7 @@ decode_weights writes its weights out once, for a dense matmul.
 import triton
 import triton.language as tl
 
-from .triton_route import route_small, sorted_slots
+from .triton_route import route_small, slot_ranks
 
 MUL1_K_INV: tl.constexpr = tl.constexpr(0.00676727294921875)  # mul1's fp16 FMA: k_inv 0x1EEE, k_bias 0xC931
 MUL1_K_BIAS: tl.constexpr = tl.constexpr(-10.3828125)
@@ -219,13 +219,15 @@ def mul1_affine(acc, sums_ptr, pos, live, KB):
 
 
 @triton.jit
-def rotate_block(x_ptr, stride_x, pos, row, e, live, s0_ptr, s1_ptr, out0_ptr, out1_ptr, sums0_ptr, sums1_ptr,
+def rotate_block(x_ptr, stride_x, pos, row, e, live, read, s0_ptr, s1_ptr, out0_ptr, out1_ptr, sums0_ptr, sums1_ptr,
                  had_ptr, k, stride_se, DUAL: tl.constexpr, SUMS: tl.constexpr):
     """out[pos] = H_128 (x[row] * suh[e]) for the live positions pos, in the 128 columns of program axis 1
-    (DUAL: a second suh into out1; SUMS: the block sums, store_operand)."""
+    (DUAL: a second suh into out1; SUMS: the block sums, store_operand). x is read where `read` (at least the
+    live rows: a mask that waits on no other load lets the rows' loads go first)."""
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     mask = live[:, None]
-    x = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=read[:, None],
+                other=0.0).to(tl.float32)
     had = load_had(had_ptr)
     vec = e.to(tl.int64)[:, None] * stride_se + cols[None, :]
     dtype: tl.constexpr = out0_ptr.dtype.element_ty
@@ -244,7 +246,8 @@ def rotate_rows(x_ptr, stride_x, rows_ptr, expert_ptr, s0_ptr, s1_ptr, out0_ptr,
     pos = tl.program_id(0) * BM + tl.arange(0, BM)
     e = tl.load(expert_ptr + pos, mask=pos < P, other=E)
     row = tl.load(rows_ptr + pos, mask=pos < P, other=0)
-    rotate_block(x_ptr, stride_x, pos, row, e, (pos < P) & (e < E), s0_ptr, s1_ptr, out0_ptr, out1_ptr, sums0_ptr,
+    live = (pos < P) & (e < E)
+    rotate_block(x_ptr, stride_x, pos, row, e, live, live, s0_ptr, s1_ptr, out0_ptr, out1_ptr, sums0_ptr,
                  sums1_ptr, had_ptr, k, stride_se, DUAL, SUMS)
 
 
@@ -254,17 +257,18 @@ def route_rotate(ids_ptr, emap_ptr, rows_ptr, sorted_expert_ptr, slot_pos_ptr, s
                  had_ptr, k, stride_se, TOPK: tl.constexpr, BM: tl.constexpr, PB: tl.constexpr,
                  HAS_MAP: tl.constexpr, DUAL: tl.constexpr, SUMS: tl.constexpr, ROWS: tl.constexpr):
     """route_small and rotate_rows in one launch, for decode sizes: the last row of programs routes (its first
-    program, route_small's work; BM the chunks' rows), every other program rotates ROWS sorted positions, finding
-    their tokens and experts itself (sorted_slots), so no program waits for another."""
+    program, route_small's work; BM the chunks' rows), every other program rotates ROWS slots, its tokens' rows
+    loaded at once and stored at the slots' sorted positions, which it finds itself (slot_ranks), so no program
+    waits for another."""
     if tl.program_id(0) == tl.num_programs(0) - 1:
         if tl.program_id(1) == 0:
             route_small(ids_ptr, emap_ptr, rows_ptr, sorted_expert_ptr, slot_pos_ptr, slot_expert_ptr, table_ptr,
                         count_ptr, P, E, stride_table, TOPK, BM, PB, HAS_MAP)
     else:
-        pos = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        row, e = sorted_slots(ids_ptr, emap_ptr, pos, P, E, TOPK, PB, HAS_MAP)
-        rotate_block(x_ptr, stride_x, pos, row, e, e < E, s0_ptr, s1_ptr, out0_ptr, out1_ptr, sums0_ptr, sums1_ptr,
-                     had_ptr, k, stride_se, DUAL, SUMS)
+        slot = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        pos, e = slot_ranks(ids_ptr, emap_ptr, slot, P, E, PB, HAS_MAP)
+        rotate_block(x_ptr, stride_x, pos, slot // TOPK, e, e < E, slot < P, s0_ptr, s1_ptr, out0_ptr, out1_ptr,
+                     sums0_ptr, sums1_ptr, had_ptr, k, stride_se, DUAL, SUMS)
 
 
 @triton.jit

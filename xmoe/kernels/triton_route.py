@@ -43,17 +43,13 @@ def route_small(ids_ptr, emap_ptr, rows_ptr, sorted_expert_ptr, slot_pos_ptr, sl
 
 
 @triton.jit
-def sorted_slots(ids_ptr, emap_ptr, pos, P, E, TOPK: tl.constexpr, PB: tl.constexpr, HAS_MAP: tl.constexpr):
-    """route_small's rows and sorted_expert at sorted positions pos, found without its stores: each slot's rank
-    among all P (by key, then slot; one compare of key PB + slot), and the slot whose rank is each position.
-    Positions past P get key E (another rank's, which the caller skips)."""
+def slot_ranks(ids_ptr, emap_ptr, slot, P, E, PB: tl.constexpr, HAS_MAP: tl.constexpr):
+    """The sorted positions (route_small's ranks: by key, then slot) and keys of slots `slot`, without its stores:
+    each slot's key PB + slot against those of all P slots. Slots past P get key E + 1."""
     i = tl.arange(0, PB)
     key = _slot_keys(ids_ptr, emap_ptr, i, i < P, E, HAS_MAP)
-    order = key * PB + i
-    rank = tl.sum((order[None, :] < order[:, None]).to(tl.int32), axis=1)
-    at = rank[None, :] == pos[:, None]  # [position, slot]
-    row = tl.sum(tl.where(at, i[None, :] // TOPK, 0), axis=1)
-    return row, tl.where(pos < P, tl.sum(tl.where(at, key[None, :], 0), axis=1), E)
+    mine = _slot_keys(ids_ptr, emap_ptr, slot, slot < P, E, HAS_MAP)
+    return tl.sum(((key * PB + i)[None, :] < (mine * PB + slot)[:, None]).to(tl.int32), axis=1), mine
 
 
 @triton.jit
