@@ -630,7 +630,7 @@ for M, E, top_k, BM, skew, ep in ((1, 8, 2, 1, False, False), (6, 384, 6, 1, Tru
 def test_route_rotate_equals_route_then_rotate_interpreter():
     """Decode-size calls route and rotate in one launch (route_rotate), each rotating program finding its slots
     itself: the routing and the rotated rows and block sums equal route_small's and rotate_rows' exactly, for
-    every operand format, with expert maps, up to ROUTE_SLOTS slots (ops.fused_moe takes it, not route)."""
+    every operand format, with expert maps, up to ROUTE_SLOTS slots; fused_moe takes it up to ROUTE_ROTATE."""
     pytest.importorskip("triton")
     run_interpreted("""
 from xmoe.kernels.routing import ROUTE_SLOTS
@@ -664,6 +664,13 @@ for M, E, top_k, skew, ep, codebook, launch in (
     pairs = zip(rotated, fused) if codebook == 'mul1' else zip(rotated[:2], fused[:2])  # sums only at mul1
     for u, v in pairs:
         assert torch.equal(u[live], v[live]), (M, E, codebook)
+taken, fused = [], ops._route_rotate
+ops._route_rotate = lambda *args: taken.append(args[1].numel()) or fused(*args)
+experts = random_experts(8, 128, 128, 2, 'mcg')
+for M in (ops.ROUTE_ROTATE // 8, ops.ROUTE_ROTATE // 8 + 1):
+    ids, weights = routing(M, 8, 8, False)
+    ops.fused_moe(torch.randn(M, 128).half(), ids, weights, experts, backend='triton')
+assert taken == [ops.ROUTE_ROTATE], taken
 """)
 
 

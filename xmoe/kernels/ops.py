@@ -154,9 +154,11 @@ ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spil
 # split counts chunks as uniform routing would make them, so skewed calls, with fewer experts, get too few programs:
 # on the H200 "mma" at 24 against 16 took 201 against 249 us at 24 skewed tokens, 161 against 166 at 12, and as
 # long within 2% at 6-48 uniform tokens (docs/data/moe_kernel_h200_fifteenth_fill.txt, _fifteenth.txt).
-# Calls of up to routing.ROUTE_SLOTS slots that take no dense path route and rotate in one launch (route_rotate);
-# False: route_small, then rotate_rows.
-ROUTE_ROTATE = True
+# Calls of up to this many slots (at most routing.ROUTE_SLOTS) route and rotate in one launch (route_rotate), else
+# route_small, then rotate_rows; 0 turns it off. On an H100 at V4.1 shapes, 6 tokens (36 slots): 5.2 us against
+# 4.4 + 3.7; 12 tokens (72): 24.7 against 4.8 + 10.0, as route_small's one program over 128 slots on 4 warps (8
+# standalone) outlasted the rotation.
+ROUTE_ROTATE = 64
 FILL = {"mma": 24, "rows": 16, "mid": 16, "gemv": 32, "decode": 4, "prefill": 4}
 
 
@@ -690,7 +692,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
                          for w in (g, d))
     dense = _dense_call(M, dot[0] if rows else up_launch, g, dev)
     found, hot = None, None
-    if ROUTE_ROTATE and P <= ROUTE_SLOTS and not dense:
+    if P <= min(ROUTE_ROTATE, ROUTE_SLOTS) and not dense:
         r, (a0, a1, s0, s1) = _route_rotate(_padded_rows(x, g.k), topk_ids, expert_map, g, experts.up, up_launch)
     else:
         r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
