@@ -154,12 +154,12 @@ ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spil
 # split counts chunks as uniform routing would make them, so skewed calls, with fewer experts, get too few programs:
 # on the H200 "mma" at 24 against 16 took 201 against 249 us at 24 skewed tokens, 161 against 166 at 12, and as
 # long within 2% at 6-48 uniform tokens (docs/data/moe_kernel_h200_fifteenth_fill.txt, _fifteenth.txt).
+FILL = {"mma": 24, "rows": 16, "mid": 16, "gemv": 32, "decode": 4, "prefill": 4}
 # Calls of up to this many slots (at most routing.ROUTE_SLOTS) route and rotate in one launch (route_rotate), else
 # route_small, then rotate_rows; 0 turns it off. On an H100 at V4.1 shapes, 6 tokens (36 slots): 5.2 us against
 # 4.4 + 3.7; 12 tokens (72): 24.7 against 4.8 + 10.0, as route_small's one program over 128 slots on 4 warps (8
 # standalone) outlasted the rotation.
 ROUTE_ROTATE = 64
-FILL = {"mma": 24, "rows": 16, "mid": 16, "gemv": 32, "decode": 4, "prefill": 4}
 
 
 def regime(rows_per_chunk: float, tiled: bool = True, mma: bool = False, rows_mma: float | None = None,
@@ -289,9 +289,9 @@ def _rotate(x, rows, expert, w: Exl3Weight, second: Exl3Weight | None, P: int, l
 
 
 def _route_rotate(x, topk_ids, expert_map, w: Exl3Weight, second: Exl3Weight, launch: Launch) -> tuple:
-    """route() and _rotate() for a call of up to ROUTE_SLOTS slots in one launch (triton_exl3.route_rotate): its
-    Routing, and the rotated rows of w and second with their block sums. The call's kernels start one launch
-    sooner: at 6 tokens route_small was 3.4 us, a latency chain."""
+    """route() and _rotate() in one launch (triton_exl3.route_rotate), for calls of up to ROUTE_ROTATE slots: the
+    Routing, and the rotated rows of w and second with their block sums. A launch fewer in the decode call, whose
+    small kernels are latency chains (route_small alone took 3.7 us on an H100 at 6 tokens)."""
     from .triton_exl3 import route_rotate
     P = topk_ids.numel()
     r, args, meta = small_route(topk_ids, w.experts, launch.BM, expert_map)
