@@ -691,9 +691,9 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     dot = rows and tuple(replace(plan(unique, w.n, w.k, P / unique, sms, w.K, gemv=False), BM=up_launch.BM)
                          for w in (g, d))
     dense = _dense_call(M, dot[0] if rows else up_launch, g, dev)
-    found, hot = None, None
+    found, hot, xp = None, None, _padded_rows(x, g.k)
     if P <= min(ROUTE_ROTATE, ROUTE_SLOTS) and not dense:
-        r, (a0, a1, s0, s1) = _route_rotate(_padded_rows(x, g.k), topk_ids, expert_map, g, experts.up, up_launch)
+        r, (a0, a1, s0, s1) = _route_rotate(xp, topk_ids, expert_map, g, experts.up, up_launch)
     else:
         r = route(topk_ids, E, up_launch.BM, expert_map, backend="triton")
         if dense:
@@ -702,7 +702,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
             hot, found = _hot_experts(found), None
             up_launch, down_launch = dot if hot else (up_launch, down_launch)
         # otherwise the GPU rotates while the host waits for the counts of the dense experts
-        a0, a1, s0, s1 = _rotate(_padded_rows(x, g.k), r.rows, r.sorted_expert, g, experts.up, P, up_launch)
+        a0, a1, s0, s1 = _rotate(xp, r.rows, r.sorted_expert, g, experts.up, P, up_launch)
         if found:
             hot = _hot_experts(found)
     grouped = not (hot and hot.every)  # some experts are left to the grouped kernels
