@@ -101,10 +101,12 @@ def gluon_kernels(arch: int, codebook: str) -> None:
     CB = ops.CODEBOOK_ID[codebook]
     print(f"gluon_mma, {codebook}, sm_{arch}, Triton {triton.__version__}, BN={BN} BK={BK} warps={warps}")
     for K in (1, 2, 3, 4) + ((1.5, 2.5, 3.5) if codebook == "mul1" else ()):
-        mma = dict(n=1152, W=int(8 * K), CB=CB, SPLIT=1)  # n: V4.1's gate and up
+        mma = dict(n=1152, W=int(8 * K), CB=CB, SPLIT=1, PAIR=False)  # n: V4.1's gate and up
         for name, fn, args, consts, registers in (
                 ("grouped_mma dual", gluon_mma.grouped_mma, mma_args,
                  dict(mma, DUAL=True, BN=BN, BK=BK, ROWS=8, UNROLL=ops.MMA_UNROLL[0]), ops.MMA_MAXNREG[0]),
+                ("grouped_mma pair", gluon_mma.grouped_mma, mma_args,
+                 dict(mma, DUAL=False, BN=BN, BK=BK, ROWS=8, UNROLL=ops.MMA_UNROLL[0], PAIR=True), ops.MMA_MAXNREG[0]),
                 ("grouped_mma", gluon_mma.grouped_mma, mma_args,
                  dict(mma, DUAL=False, BN=BN, BK=BK, ROWS=8, UNROLL=ops.MMA_UNROLL[1]), ops.MMA_MAXNREG[1]),
                 ("grouped_mma rows", gluon_mma.grouped_mma, mma_args,
@@ -115,8 +117,9 @@ def gluon_kernels(arch: int, codebook: str) -> None:
             cubin = kernel.asm["cubin"]
             usage = resources(cubin)
             counts = max(loop_ops(cuobjdump(cubin, "-sass")), key=lambda c: sum(c.values()))
+            streams = 1 + bool(consts.get("DUAL") or consts.get("PAIR"))  # projections, or column blocks, a program
             per = (128 * 32 if name == "decode_weights" else  # weights a thread in the loop's K steps
-                   consts["BK"] * consts["BN"] * (1 + consts["DUAL"]) * consts["UNROLL"]) / (32 * warps)
+                   consts["BK"] * consts["BN"] * streams * consts["UNROLL"]) / (32 * warps)
             top = ", ".join(f"{op} {n / per:.2f}" for op, n in counts.most_common(8))
             print(f"K={K} {name:<16}: {usage['REG']} registers, {usage['STACK']} B stack; K loop "
                   f"{sum(counts.values()) / per:.2f} instructions per decoded weight ({top})")

@@ -103,28 +103,29 @@ POINTERS = {"a0_ptr": "*i32", "a1_ptr": "*i32", "chunk_pos_ptr": "*i32", "chunk_
 SCALARS = {"P": "i32", "k": "i32", "stride_te": "i32", "mask": "i32"}
 
 
-def registers(DUAL: bool, ROWS: int) -> int:
-    """The registers ops gives a grouped_mma launch (0: the compiler's choice)."""
-    return ops.ROWS_MAXNREG if ROWS > 8 else ops.MMA_MAXNREG[not DUAL]
+def registers(TWO: bool, ROWS: int) -> int:
+    """The registers ops gives a grouped_mma launch (0: the compiler's choice) of two streams (gate and up, or a
+    pair of column blocks) or one."""
+    return ops.ROWS_MAXNREG if ROWS > 8 else ops.MMA_MAXNREG[not TWO]
 
 
-def unroll(DUAL: bool, ROWS: int) -> int:
+def unroll(TWO: bool, ROWS: int) -> int:
     """The K steps a loop iteration ops gives a grouped_mma launch."""
-    return 1 if ROWS > 8 else ops.MMA_UNROLL[not DUAL]
+    return 1 if ROWS > 8 else ops.MMA_UNROLL[not TWO]
 
 
-def compiled(K: int, CB: int, DUAL: bool, BN: int, BK: int, arch: int, ROWS: int = 8):
+def compiled(K: int, CB: int, DUAL: bool, BN: int, BK: int, arch: int, ROWS: int = 8, PAIR: bool = False):
     const = dict(n=1152, W=int(8 * K), CB=CB, DUAL=DUAL, BN=BN, BK=BK, SPLIT=1, ROWS=ROWS,
-                 UNROLL=unroll(DUAL, ROWS))
+                 UNROLL=unroll(DUAL or PAIR, ROWS), PAIR=PAIR)
     return compile_gluon(grouped_mma, {**POINTERS, **SCALARS}, const, arch, num_warps=4,
-                         **ops._maxnreg(registers(DUAL, ROWS)))
+                         **ops._maxnreg(registers(DUAL or PAIR, ROWS)))
 
 
 ROWS_TILE = ops.TUNED["rows", True]  # the "rows" regime's (BM, BK, BN, warps, stages)
 MID_TILE = ops.TUNED["mid", True]  # dense layers of 9-16 rows: the same kernel at another tile
 
 
-@pytest.mark.parametrize("K, CB, DUAL, BN, BK, arch, ROWS", [
+@pytest.mark.parametrize("K, CB, DUAL, BN, BK, arch, ROWS, PAIR", [(*case, False) for case in [
     (2, 1, True, 128, 32, 90, 8), (2, 0, True, 128, 32, 90, 8), (2, 1, False, 128, 32, 90, 8),
     (2, 0, False, 64, 64, 90, 8), (1, 1, True, 128, 32, 90, 8), (1, 0, False, 128, 32, 90, 8),
     (4, 0, True, 128, 32, 80, 8), (4, 1, False, 128, 32, 90, 8), (3, 1, True, 128, 32, 90, 8),
@@ -133,20 +134,30 @@ MID_TILE = ops.TUNED["mid", True]  # dense layers of 9-16 rows: the same kernel 
     (1.5, 2, False, 128, 32, 90, 8)] +
     [(K, CB, False, ROWS_TILE[2], ROWS_TILE[1], 90, ROWS_TILE[0]) for K, CB in ((2, 1), (2, 2), (3, 1), (4, 0),
                                                                                (2.5, 2), (3, 2))] +
-    [(K, CB, False, MID_TILE[2], MID_TILE[1], 90, MID_TILE[0]) for K, CB in ((2, 1), (3, 2), (4, 0), (1.5, 2))])
-def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, ROWS):
-    kernel = compiled(K, CB, DUAL, BN, BK, arch, ROWS)
+    [(K, CB, False, MID_TILE[2], MID_TILE[1], 90, MID_TILE[0]) for K, CB in ((2, 1), (3, 2), (4, 0), (1.5, 2))]] +
+    [(K, CB, False, 128, 32, 90, 8, True) for K, CB in ((2, 1), (2, 2), (3, 1), (4, 0), (1, 1), (2.5, 2), (3.5, 2))])
+def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, ROWS, PAIR):
+    kernel = compiled(K, CB, DUAL, BN, BK, arch, ROWS, PAIR)
     assert kernel.metadata.shared == 0, "a decoded weight went through shared memory"
     usage = resources(kernel.asm["cubin"])  # within ops' register limit, nothing spilled
-    assert usage["REG"] <= (registers(DUAL, ROWS) or 255) and usage["STACK"] == usage["LOCAL"] == 0, usage
+    two = DUAL or PAIR
+    assert usage["REG"] <= (registers(two, ROWS) or 255) and usage["STACK"] == usage["LOCAL"] == 0, usage
     ptx = kernel.asm["ptx"]
     mmas = ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32")
-    assert mmas == (2 * unroll(DUAL, ROWS) - 1) * (2 if DUAL else 1) * (BN // 64) * (BK // 16) * 2 * (ROWS // 8), \
+    assert mmas == (2 * unroll(two, ROWS) - 1) * (1 + two) * (BN // 64) * (BK // 16) * 2 * (ROWS // 8), \
         "one MMA per 16 doubled K rows, warp tile and 8 rows, in each K step of the code (unrolled: 1 + 2)"
     assert "shfl.sync.idx.b32" in ptx and "ld.shared" not in ptx
     assert ("prmt.b32" in ptx) == (K == 2), "at K = 2 the byte-aligned states are picked by PRMT"
     assert ("dp4a.u32.u32" in ptx) == (CB == 2), "mul1's byte sum"
     assert "fma.rn.f16x2" not in ptx, "mul1's fp16 FMA is the epilogue's (triton_exl3.mul1_affine)"
+
+
+def test_pair_loads_its_rows_once():
+    """A pair of column blocks (PAIR) decodes two streams as gate and up do, from one set of rows: fewer loads
+    than the dual launch, the same stores."""
+    dual, pair = (compiled(2, 1, not paired, 128, 32, 90, PAIR=paired).asm["ptx"] for paired in (False, True))
+    assert pair.count("ld.global") < dual.count("ld.global")
+    assert pair.count("st.global") == dual.count("st.global") > 0
 
 
 @pytest.mark.parametrize("K, CB, MUL1_H", [(2, 1, False), (3, 0, False), (4, 1, False), (3, 2, False), (2.5, 2, True),

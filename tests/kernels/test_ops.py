@@ -1,5 +1,6 @@
 """The Triton EXL3 kernels against the torch references: on the CPU under TRITON_INTERPRET=1 (small shapes,
 in a subprocess since the variable must be set before Triton compiles), and on a GPU over the full grid."""
+import itertools
 import os
 import subprocess
 import sys
@@ -349,8 +350,9 @@ def test_gemv_plan():
 def test_plan_leaves_no_split_empty(chunks, n, k):
     """Each K split gets ceil(steps / split) steps in the kernels; the plan never has a split past the last step,
     which would load a step beyond the weight's words before its empty loop."""
-    for rows, mma in ((1.0, True), (6.0, True), (24.0, True), (1.0, False), (64.0, False)):
-        launch = ops.plan(chunks, n, k, rows, 132, mma=mma)
+    for (rows, mma), single in itertools.product(((1.0, True), (6.0, True), (24.0, True), (1.0, False), (64.0, False)),
+                                                 (False, True)):
+        launch = ops.plan(chunks, n, k, rows, 132, mma=mma, single=single)
         steps = k // launch.BK
         assert (launch.split - 1) * -(-steps // launch.split) < steps, (launch, steps)
 
@@ -372,6 +374,22 @@ def test_mma_plan(monkeypatch):
     assert ops.plan(36, 1152, 5120, 1.0, 132, mma=True).BN == 128  # 256 does not divide 1,152 columns
     w = random_weight(256, 256, 8, "mul1")
     assert "K = 8" in ops.mma_refusal(w, torch.device("cuda")) and "CUDA" in ops.mma_refusal(w, torch.device("cpu"))
+
+
+def test_mma_pair_plan(monkeypatch):
+    """A decode-size launch of one projection takes two column blocks a program (MMA_PAIR): half the programs, so
+    more K splits; gate and up (two projections already), other regimes and odd counts of blocks do not."""
+    down = ops.plan(35, 5120, 1152, 1.0, 132, mma=True, single=True)
+    unpaired = ops.plan(35, 5120, 1152, 1.0, 132, mma=True)
+    assert down.pair and not unpaired.pair and down.split > unpaired.split
+    assert not ops.plan(36, 1152, 5120, 1.0, 132, mma=True, single=True).pair  # 9 blocks of 128 columns
+    assert not ops.plan(36, 5120, 1152, 24.0, 132, mma=True, single=True).pair  # "rows"
+    assert not ops.plan(1, 5120, 1152, 12.0, 132, mma=True, mid=True, single=True).pair  # "mid"
+    assert not ops.plan(35, 5120, 1152, 1.0, 132, single=True).pair  # no grouped_mma
+    dense = ops.plan(1, 2304, 5120, 1.0, 132, mma=True, mid=True, single=True)  # one chunk: the split at its cap
+    assert not dense.pair and dense.split == 16
+    monkeypatch.setattr(ops, "MMA_PAIR", False)
+    assert not ops.plan(35, 5120, 1152, 1.0, 132, mma=True, single=True).pair
 
 
 def test_gather_tables_made_eagerly():

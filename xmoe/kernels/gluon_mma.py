@@ -177,33 +177,41 @@ def act_operand(x, BK: gl.constexpr, ROWS: gl.constexpr, B: gl.constexpr):
 
 
 @gluon.jit
-def load_step(words, rows, step, stride_step, lo_off, a_off, BK: gl.constexpr):
-    """One K step's trellis words (the one each lane's states end in) and activations (the chunk's rows, its last
-    row again in the MMA's rows past its length, which are never stored)."""
-    lo = gl.load(words + step * stride_step + lo_off).to(gl.uint32, bitcast=True)
-    return lo, gl.load(rows + a_off + step * BK)
+def load_words(words, step, stride_step, lo_off):
+    """One K step's trellis words (the one each lane's states end in)."""
+    return gl.load(words + step * stride_step + lo_off).to(gl.uint32, bitcast=True)
 
 
 @gluon.jit
-def load_both(w0, w1, a0_ptr, a1_ptr, step, stride_step, lo_off, a_off, BK: gl.constexpr, DUAL: gl.constexpr):
-    """load_step for the first projection and, with DUAL, the second."""
-    lo0, x0 = load_step(w0, a0_ptr, step, stride_step, lo_off, a_off, BK)
+def load_both(w0, w1, a0_ptr, a1_ptr, step, stride_step, lo_off, a_off, BK: gl.constexpr, DUAL: gl.constexpr,
+              PAIR: gl.constexpr):
+    """One K step's words and activations (the chunk's rows, its last row again in the MMA's rows past its
+    length, which are never stored) for the first projection and, with DUAL, the second (PAIR: its words only, the
+    rows are the first's)."""
+    lo0 = load_words(w0, step, stride_step, lo_off)
+    x0 = gl.load(a0_ptr + a_off + step * BK)
     lo1, x1 = lo0, x0
     if DUAL:
-        lo1, x1 = load_step(w1, a1_ptr, step, stride_step, lo_off, a_off, BK)
+        lo1 = load_words(w1, step, stride_step, lo_off)
+        if not PAIR:
+            x1 = gl.load(a1_ptr + a_off + step * BK)
     return lo0, x0, lo1, x1
 
 
 @gluon.jit
 def products(lo0, x0, lo1, x1, acc0, acc1, src, shift, lane, t, q, mask, W: gl.constexpr, CB: gl.constexpr,
              BN: gl.constexpr, BK: gl.constexpr, ROWS: gl.constexpr, DUAL: gl.constexpr, A: gl.constexpr,
-             B: gl.constexpr):
-    """One K step: the words decoded into the A operand, multiplied by the rows, added to the accumulators."""
+             B: gl.constexpr, PAIR: gl.constexpr):
+    """One K step: the words decoded into the A operand, multiplied by the rows, added to the accumulators
+    (PAIR: both projections by the same rows)."""
     w = decode_operand(lane_states(lo0, src, shift, lane, t, q, W), mask, CB, BN, BK, A)
-    acc0 = mma_v2(w, act_operand(x0, BK, ROWS, B), acc0)
+    rows = act_operand(x0, BK, ROWS, B)
+    acc0 = mma_v2(w, rows, acc0)
     if DUAL:
         w = decode_operand(lane_states(lo1, src, shift, lane, t, q, W), mask, CB, BN, BK, A)
-        acc1 = mma_v2(w, act_operand(x1, BK, ROWS, B), acc1)
+        if not PAIR:
+            rows = act_operand(x1, BK, ROWS, B)
+        acc1 = mma_v2(w, rows, acc1)
     return acc0, acc1
 
 
@@ -211,12 +219,14 @@ def products(lo0, x0, lo1, x1, acc0, acc1, src, shift, lane, t, q, mask, W: gl.c
 def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, n_chunks_ptr, t0_ptr, t1_ptr,
                 p0_ptr, p1_ptr, P, k, n: gl.constexpr, stride_te, mask, W: gl.constexpr, CB: gl.constexpr,
                 DUAL: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr, ROWS: gl.constexpr,
-                UNROLL: gl.constexpr):
+                UNROLL: gl.constexpr, PAIR: gl.constexpr):
     """grouped_gemv's contract (rotated rows as doubled fp16, triton_exl3.as_operand; chunks of up to ROWS
     rows, a multiple of 8: the MMA's N; fp32 partials per K split) on mma.sync. In each (chunk, column block,
     K split) program, warp w takes the 16 columns from 16 w of every 16 * warps. n is a constexpr, so the tiles'
     offsets within a K step are the loads' immediates (one address a projection and step, not one a row of tiles).
-    UNROLL: K steps a loop iteration (1 or 2)."""
+    UNROLL: K steps a loop iteration (1 or 2). PAIR: one projection, each program taking two column blocks, pid_n's
+    and the one n / 2 columns on, as DUAL takes gate and up: two streams of decoding to interleave, one set of
+    rows (grid axis 1: n / 2 BN blocks)."""
     warps: gl.constexpr = gl.num_warps()
     TN: gl.constexpr = BN // 16
     TK: gl.constexpr = BK // 16
@@ -235,6 +245,11 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
     e = gl.load(chunk_expert_ptr + pid_c).to(gl.int64)
     w0 = t0_ptr + e * stride_te
     w1 = t1_ptr + e * stride_te
+    p1 = p1_ptr
+    if PAIR:
+        w1 = w0 + (n // 32) * W  # (n / 2) / 16 tiles of W words on
+        p1 = p0_ptr + n // 2
+    TWO: gl.constexpr = DUAL or PAIR
 
     # each lane's words and shifts
     t = axis(4, 6, 7, TILE)
@@ -257,32 +272,32 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
     acc1 = gl.zeros([BN, ROWS], gl.float32, MMA)
     # the next step's words and rows are loaded before a step is decoded; UNROLL = 2: two steps an iteration (the
     # first alone if their count is odd), each buffer used in turn, so no copies between iterations
-    lo0, x0, lo1, x1 = load_both(w0, w1, a0_ptr, a1_ptr, first, stride_step, lo_off, a_off, BK, DUAL)
+    lo0, x0, lo1, x1 = load_both(w0, w1, a0_ptr, a1_ptr, first, stride_step, lo_off, a_off, BK, TWO, PAIR)
     single = last if UNROLL == 1 else first + (last - first) % 2  # the steps taken one at a time
     for step in range(first, single):
         n_lo0, n_x0, n_lo1, n_x1 = load_both(w0, w1, a0_ptr, a1_ptr, gl.minimum(step + 1, last - 1), stride_step,
-                                             lo_off, a_off, BK, DUAL)
-        acc0, acc1 = products(lo0, x0, lo1, x1, acc0, acc1, src, shift, lane, t, q, mask, W, CB, BN, BK, ROWS, DUAL,
-                              A, B)
+                                             lo_off, a_off, BK, TWO, PAIR)
+        acc0, acc1 = products(lo0, x0, lo1, x1, acc0, acc1, src, shift, lane, t, q, mask, W, CB, BN, BK, ROWS, TWO,
+                              A, B, PAIR)
         lo0, x0, lo1, x1 = n_lo0, n_x0, n_lo1, n_x1
     if UNROLL == 2:
         for step in range(single, last, 2):
             n_lo0, n_x0, n_lo1, n_x1 = load_both(w0, w1, a0_ptr, a1_ptr, step + 1, stride_step, lo_off, a_off, BK,
-                                                 DUAL)
+                                                 TWO, PAIR)
             acc0, acc1 = products(lo0, x0, lo1, x1, acc0, acc1, src, shift, lane, t, q, mask, W, CB, BN, BK, ROWS,
-                                  DUAL, A, B)
+                                  TWO, A, B, PAIR)
             lo0, x0, lo1, x1 = load_both(w0, w1, a0_ptr, a1_ptr, gl.minimum(step + 2, last - 1), stride_step,
-                                         lo_off, a_off, BK, DUAL)
+                                         lo_off, a_off, BK, TWO, PAIR)
             acc0, acc1 = products(n_lo0, n_x0, n_lo1, n_x1, acc0, acc1, src, shift, lane, t, q, mask, W, CB, BN, BK,
-                                  ROWS, DUAL, A, B)
+                                  ROWS, TWO, A, B, PAIR)
 
     cols = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)), 1)
     out_rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA)), 0)
     out = (pid_s * P + pos + out_rows) * n + pid_n * BN + cols
     out_mask = out_rows < length
     gl.store(p0_ptr + out, acc0, mask=out_mask)
-    if DUAL:
-        gl.store(p1_ptr + out, acc1, mask=out_mask)
+    if TWO:
+        gl.store(p1 + out, acc1, mask=out_mask)
 
 
 @gluon.jit

@@ -73,6 +73,7 @@ class Launch:
     gemv: bool = False  # tiled only, BM 1 or 2: grouped_gemv, products on CUDA cores instead of tensor cores
     mma: bool = False  # gluon_mma's grouped_mma, weights decoded into mma.sync registers (CUDA, K <= 4): BM 8, or
     # a multiple of 8 for prefill (regime "rows")
+    pair: bool = False  # mma, one projection: two column blocks a program (MMA_PAIR)
 
 
 # (BM, BK, BN, warps, stages) per row regime and decoder, from timed sweeps on an H200 at DeepSeek-V4.1 shapes
@@ -147,6 +148,13 @@ MMA_MAXNREG = (96, 72)
 # its counting to every other step: at K = 2 (Triton 3.6) gate and up from 4.61 to 4.41 instructions a weight, down
 # from 5.09 to 4.70.
 MMA_UNROLL = (2, 2)
+# A decode-size grouped_mma launch of one projection (a MoE call's down) takes two column blocks a program, n / 2
+# columns apart, decoded as gate and up are: two streams of states to interleave, one set of rows, the gate and up
+# launch's registers and unroll; K = 2 MCG at 4.28 instructions a weight against 4.72 (Triton 3.9, sm_90). Only where
+# the pairs still make FILL programs a multiprocessor: on an H100, dense layers of 1-8 rows (one chunk, the K split at
+# its cap) took 4-9% longer paired, except 4096 x 8192 (2% less), while down at V4.1 shapes took 2.6-3.1 us less at 6
+# tokens and 5 us less at 12 (docs/data/moe_kernel_h100_twentythird_pair*, linear_kernel_h100_twentythird_pair.txt).
+MMA_PAIR = True
 ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spills: Triton 3.6, sm_90)
 # Programs per multiprocessor that the K split aims for, per regime (grouped_gemv's programs are small: a
 # finer split evens out the last wave; 32 from an H200 sweep of 4-64 at 6-12 tokens, 1-3% ahead of 16). "rows"
@@ -213,10 +221,11 @@ def _gluon_refusal() -> str | None:
 
 
 def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float = 2, gemv: bool = True,
-         mma: bool = False, rows_mma: float | None = None, mid: bool = False) -> Launch:
+         mma: bool = False, rows_mma: float | None = None, mid: bool = False, single: bool = False) -> Launch:
     """Tile sizes by regime (gemv=False: never grouped_gemv or grouped_mma; mma: grouped_mma can run; rows_mma:
-    the "rows" regime's last rows per chunk, ROWS_MMA unless given; mid: a dense layer's); enough K splits to give
-    each multiprocessor about FILL programs."""
+    the "rows" regime's last rows per chunk, ROWS_MMA unless given; mid: a dense layer's; single: one projection,
+    which "mma" takes in pairs of column blocks, MMA_PAIR); enough K splits to give each multiprocessor about FILL
+    programs."""
     tiled = _tiled(K)
     mode = regime(rows_per_chunk, tiled and gemv, gemv and mma, rows_mma, mid)
     on_mma = mode in ("mma", "rows", "mid")
@@ -224,11 +233,14 @@ def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float 
     BN = min(BN, n)
     while n % BN:  # n is a multiple of 128, BN a power of two: every column block whole
         BN //= 2
-    programs = max(chunks, 1) * (n // BN)
     steps = k // BK
+    blocks = max(chunks, 1) * (n // BN)  # programs a K split
+    pair = (MMA_PAIR and single and mode == "mma" and n // BN % 2 == 0
+            and blocks // 2 * min(steps, 16) >= FILL[mode] * sms)  # pairs still fill the GPU
+    programs = blocks // (1 + pair)
     split = max(1, min(steps, 16, -(-FILL[mode] * sms // programs)))  # epilogues read every split
     split = -(-steps // -(-steps // split))  # no split left without steps (the kernels give each ceil(steps / split))
-    return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and mode in SWAP_AB, mode == "gemv", on_mma)
+    return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and mode in SWAP_AB, mode == "gemv", on_mma, pair)
 
 
 @lru_cache(maxsize=None)
@@ -354,13 +366,16 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
             raise ValueError(f"grouped_mma takes chunks of a multiple of 8 rows, the launch has {launch.BM}")
         prefill = _rows_regime(launch)  # gate and up one after the other
         dual = second is not None and not prefill
-        registers = ROWS_MAXNREG if prefill else MMA_MAXNREG[second is None]
+        pair = launch.pair and second is None
+        single = second is None and not pair  # the settings of down alone, else of gate and up
+        registers = ROWS_MAXNREG if prefill else MMA_MAXNREG[single]
         for a, t, p in [(a0, words, p0)] + ([(a1, other, p1)] if second is not None and prefill else []):
-            grouped_mma[grid](a, a1 if dual else a, pos, length, expert, count, t, other if dual else t, p,
-                              p1 if dual else p, p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1],
-                              CB=CODEBOOK_ID[w.codebook], DUAL=dual, BN=launch.BN, BK=launch.BK, SPLIT=launch.split,
-                              ROWS=launch.BM, UNROLL=1 if prefill else MMA_UNROLL[second is None],
-                              num_warps=launch.warps, **_maxnreg(registers))
+            grouped_mma[grid[0], grid[1] // (1 + pair), grid[2]](
+                a, a1 if dual else a, pos, length, expert, count, t, other if dual else t, p, p1 if dual else p,
+                p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], DUAL=dual,
+                BN=launch.BN, BK=launch.BK, SPLIT=launch.split, ROWS=launch.BM,
+                UNROLL=1 if prefill else MMA_UNROLL[single], PAIR=pair, num_warps=launch.warps,
+                **_maxnreg(registers))
         return
     if tiled and launch.gemv:
         grouped_gemv[grid](a0, a1, pos, length, expert, count, words, other, p0, p1 if p1 is not None else p0,
@@ -585,7 +600,7 @@ def _linear_launch(M: int, w: Exl3Weight, device: torch.device, slices: int = 1)
     # without the tiled decoder, grouped_mma's chunks up to the dense path's rows: the gather decoder took 142-174 us
     # at 64 rows (H200, 5120 x 2304 and 2304 x 5120, K = 3), two chunks of 32 rows 37-38
     return plan(slices * -(-M // 16), w.n, w.k, M, _sms(device), w.K, mma=mma_refusal(w, device) is None,
-                rows_mma=None if _tiled(w.K) or not ROWS_MMA else DENSE_ROWS - 1, mid=True)
+                rows_mma=None if _tiled(w.K) or not ROWS_MMA else DENSE_ROWS - 1, mid=True, single=True)
 
 
 def _linear_epilogue(part, sums, svh, bias, out, per_slice: int, w: Exl3Weight) -> None:
@@ -680,7 +695,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     unique = expected_experts(P, E)
     mma = mma_refusal(g, dev) is None and mma_refusal(d, dev) is None
     up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K, mma=mma)
-    down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, mma=mma)
+    down_launch = plan(unique, d.n, d.k, P / unique, sms, d.K, mma=mma, single=True)
     if (up_launch.gemv, up_launch.mma) != (down_launch.gemv, down_launch.mma):
         # mixed K: one chunking serves both GEMMs, so tl.dot tensor cores for both
         up_launch = plan(unique, g.n, g.k, P / unique, sms, g.K, gemv=False)
