@@ -392,6 +392,28 @@ def test_mma_pair_plan(monkeypatch):
     assert not ops.plan(35, 5120, 1152, 1.0, 132, mma=True, single=True).pair
 
 
+def test_mma_pair_launch(monkeypatch):
+    """How _gemm launches grouped_mma for one projection, paired (half the column blocks, gate and up's registers
+    and unroll) and not."""
+    from xmoe.kernels import gluon_mma
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, kw))
+
+    monkeypatch.setattr(gluon_mma, "grouped_mma", Recorder())
+    w = random_weight(256, 512, 2, "mcg", experts=4)
+    chunks = tuple(torch.zeros(3, dtype=torch.int32) for _ in range(4)) + (3,)
+    a, p = torch.zeros(24, 256, dtype=torch.int32), torch.zeros(2, 24, 512)
+    for pair in (True, False):
+        ops._gemm(a, a, chunks, w, p, None, None, ops.Launch(8, 128, 2, mma=True, pair=pair))
+    (paired, kw), (alone, kw_alone) = launches
+    assert paired == (3, 2, 2) and kw["PAIR"] and not kw["DUAL"] and alone == (3, 4, 2) and not kw_alone["PAIR"]
+    assert (kw["UNROLL"], kw["maxnreg"]) == (ops.MMA_UNROLL[0], ops.MMA_MAXNREG[0])  # gate and up's
+    assert (kw_alone["UNROLL"], kw_alone["maxnreg"]) == (ops.MMA_UNROLL[1], ops.MMA_MAXNREG[1])
+
+
 def test_gather_tables_made_eagerly():
     """The gather decoder's state windows are made by every eager call, whichever path it takes, so that a CUDA
     graph capture that gathers finds them (a host table cannot be copied inside a capture)."""
