@@ -234,11 +234,12 @@ def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float 
     while n % BN:  # n is a multiple of 128, BN a power of two: every column block whole
         BN //= 2
     steps = k // BK
+    most = min(steps, 16)  # K splits at most: epilogues read every split
     blocks = max(chunks, 1) * (n // BN)  # programs a K split
     pair = (MMA_PAIR and single and mode == "mma" and n // BN % 2 == 0
-            and blocks // 2 * min(steps, 16) >= FILL[mode] * sms)  # pairs still fill the GPU
+            and blocks // 2 * most >= FILL[mode] * sms)  # pairs still fill the GPU
     programs = blocks // (1 + pair)
-    split = max(1, min(steps, 16, -(-FILL[mode] * sms // programs)))  # epilogues read every split
+    split = max(1, min(most, -(-FILL[mode] * sms // programs)))
     split = -(-steps // -(-steps // split))  # no split left without steps (the kernels give each ceil(steps / split))
     return Launch(BM, BN, split, BK, warps, stages, tiled, tiled and mode in SWAP_AB, mode == "gemv", on_mma, pair)
 
