@@ -1,7 +1,9 @@
 """Timing helpers shared by the kernel benchmarks: CUDA-graph replay timing, eager timing (one call at a time or
-back to back), copy bandwidth."""
+back to back), copy bandwidth, ops settings to time against."""
+import ast
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -91,3 +93,23 @@ def ptrs(tensors, dev) -> torch.Tensor:
 
 def row(cells, widths) -> str:
     return " ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
+
+
+def settings(pairs: list):
+    """A maker of context managers that set ops attributes from ["NAME=VALUE", ...] (Python literals, else
+    strings) and restore them; None for no pairs."""
+    if not pairs:
+        return None
+    from xmoe.kernels import ops
+
+    values = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        if not hasattr(ops, name):
+            raise SystemExit(f"--versus: xmoe.kernels.ops has no setting {name!r}")
+        try:
+            values[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            values[name] = value  # DECODER=gather
+
+    return lambda: mock.patch.multiple(ops, **values)

@@ -3,9 +3,11 @@ autotuned before timing) and a bf16 matmul, at 1-8 and 1,024+ rows, K 2/3/4, MCG
 to 512 rows, L2 flushed. With --layers N each timing runs N layers of distinct weights in a row (one graph) and
 reports the time a layer: a graph of one small call is mostly its own launch, where a model's graph holds them all.
 With --merged, layers that read one input (q, k, v; gate, up): each alone, and as one exl3_linear_slices call,
-against exllamav3 running them as it does at decode (one sliced exl3_mgemm) and one at a time.
+against exllamav3 running them as it does at decode (one sliced exl3_mgemm) and one at a time. With --versus,
+ours is timed again under other ops settings, just after the default's, in the same process.
 
-    python benchmarks/linear_kernel.py [--rows 1 4 8 1024 4096] [--layers 1] [--merged] [--no-stock] [--json F]
+    python benchmarks/linear_kernel.py [--rows 1 4 8 1024 4096] [--layers 1] [--merged] [--no-stock]
+                                       [--versus SPLIT_MOST=48] [--json F]
 """
 import argparse
 import json
@@ -18,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 from cases import random_weight  # noqa: E402
-from common import copy_bandwidth, ptrs, row, time_eager, time_graph  # noqa: E402
+from common import copy_bandwidth, ptrs, row, settings, time_eager, time_graph  # noqa: E402
 
 from xmoe.kernels import ops  # noqa: E402
 from xmoe.kernels.weights import Exl3Slices  # noqa: E402
@@ -29,18 +31,24 @@ MERGED = [(4096, (8192, 512, 512)), (5120, (8192, 1024, 1024)), (5120, (2304, 23
 EAGER_ROWS = 512  # from here ours is timed eagerly, as vLLM runs batches beyond its CUDA-graph sizes
 
 
-def case(ext, k, n, K, M, bw, dev, codebook, layers=1):
+def case(ext, k, n, K, M, bw, dev, codebook, layers=1, versus=None):
     ws = [random_weight(k, n, K, codebook, seed=i, device=dev) for i in range(layers)]
     w = ws[0]
     x = torch.randn(M, k, device=dev, dtype=torch.half)
     timer = time_eager if M >= EAGER_ROWS else time_graph
-    ours = timer(lambda: [ops.exl3_linear(x, wi, backend="triton") for wi in ws]) / layers
+    call = lambda: [ops.exl3_linear(x, wi, backend="triton") for wi in ws]  # noqa: E731
+    ours = timer(call) / layers
     nbytes = w.trellis.numel() * 2
     dense = [torch.randn(k, n, device=dev, dtype=torch.bfloat16) for _ in ws]
     xb = x.bfloat16()
     r = dict(k=k, n=n, K=K, rows=M, layers=layers, ours_us=ours * 1e6, ours_gbs=nbytes / ours / 1e9,
              ours_pct_bw=100 * nbytes / ours / bw, ours_tweights=k * n / ours / 1e12,
              bf16_us=time_graph(lambda: [xb @ d for d in dense]) / layers * 1e6)
+    if versus:
+        base = call()[0].float()
+        with versus():
+            r["versus_us"] = timer(call) / layers * 1e6
+            r["versus_diff"] = float((call()[0].float() - base).abs().max() / base.abs().max())
     if ext is not None:
         y, xh = torch.empty(M, n, device=dev, dtype=torch.half), torch.empty_like(x)
         mcg, mul1 = codebook == "mcg", codebook == "mul1"  # exllamav3's codebook flags (both off: 3INST)
@@ -88,13 +96,14 @@ def stock_sliced(ext, layers, x, codebook):
     return call, outs
 
 
-def merged_case(ext, k, widths, K, M, dev, codebook, layers=1):
+def merged_case(ext, k, widths, K, M, dev, codebook, layers=1, versus=None):
     sets = [[random_weight(k, n, K, codebook, seed=10 * i + j, device=dev) for j, n in enumerate(widths)]
             for i in range(layers)]
     slices = [Exl3Slices.of(s) for s in sets]
     x = torch.randn(M, k, device=dev, dtype=torch.half)
     apart = time_graph(lambda: [ops.exl3_linear(x, w, backend="triton") for s in sets for w in s]) / layers
-    merged = time_graph(lambda: [ops.exl3_linear_slices(x, s, backend="triton") for s in slices]) / layers
+    call = lambda: [ops.exl3_linear_slices(x, s, backend="triton") for s in slices]  # noqa: E731
+    merged = time_graph(call) / layers
     dense = [torch.randn(k, sum(widths), device=dev, dtype=torch.bfloat16) for _ in sets]
     xb = x.bfloat16()
     ours = ops.exl3_linear_slices(x, slices[0], backend="triton").float()
@@ -102,6 +111,10 @@ def merged_case(ext, k, widths, K, M, dev, codebook, layers=1):
     r = dict(k=k, widths=widths, K=K, rows=M, layers=layers, apart_us=apart * 1e6, merged_us=merged * 1e6,
              merged_vs_apart=float((ours - apart_out).abs().max() / apart_out.abs().max()),
              bf16_us=time_graph(lambda: [xb @ d for d in dense]) / layers * 1e6)
+    if versus:
+        with versus():
+            r["versus_us"] = time_graph(call) / layers * 1e6
+            r["versus_diff"] = float((call()[0].float() - ours).abs().max() / ours.abs().max())
     if ext is None:
         return r
     try:
@@ -134,7 +147,7 @@ def merged_table(ext, args, dev) -> list:
     for k, outs in MERGED:
         for K in args.bits:
             for M in args.rows:
-                r = merged_case(ext, k, outs, K, M, dev, args.codebook, args.layers)
+                r = merged_case(ext, k, outs, K, M, dev, args.codebook, args.layers, settings(args.versus))
                 results.append(dict(r, codebook=args.codebook))
                 print(row((f"{k}->{'/'.join(map(str, outs))}", f"{K:g}", M, f"{r.get('stock_apart_us', 0):.1f}",
                            f"{r.get('stock_sliced_us', 0):.1f}", f"{r['apart_us']:.1f}", f"{r['merged_us']:.1f}",
@@ -142,6 +155,8 @@ def merged_table(ext, args, dev) -> list:
                            f"{r['merged_vs_apart']:.1e}"), widths), flush=True)
                 if "stock_error" in r:
                     print(f"  stock_error: {r['stock_error']}")
+                if "versus_us" in r:
+                    print(f"  {' '.join(args.versus)}: ours mg {r['versus_us']:.1f} us (diff {r['versus_diff']:.1e})")
     return results
 
 
@@ -161,6 +176,8 @@ def main():
     p.add_argument("--rows-mma", type=float, default=ops.ROWS_MMA,
                    help="rows up to which grouped_mma takes the call in chunks of 32 (ops.ROWS_MMA; 0: never)")
     p.add_argument("--fill", type=int, help="programs a multiprocessor the K split aims for, every regime (ops.FILL)")
+    p.add_argument("--versus", nargs="+", metavar="ATTR=VALUE", default=[],
+                   help="also time ours with these ops settings (e.g. SPLIT_MOST=48), just after the default's")
     p.add_argument("--json")
     args = p.parse_args()
     ops.DECODER, ops.GEMV_ROWS, ops.MMA_ROWS = args.decoder, args.gemv_rows, args.mma_rows
@@ -186,7 +203,7 @@ def main():
     for k, n in SHAPES:
         for K in args.bits:
             for M in args.rows:
-                r = case(ext, k, n, K, M, bw, dev, args.codebook, args.layers)
+                r = case(ext, k, n, K, M, bw, dev, args.codebook, args.layers, settings(args.versus))
                 results.append(dict(r, codebook=args.codebook))
                 print(row((f"{k}x{n}", f"{K:g}", M, f"{r.get('stock_us', 0):.1f}", f"{r['ours_us']:.1f}",
                            f"{r.get('speedup', 0):.2f}", f"{r['ours_gbs']:.0f}", f"{r['ours_pct_bw']:.1f}",
@@ -194,6 +211,8 @@ def main():
                           widths), flush=True)
                 if "stock_error" in r:
                     print(f"  stock_error: {r['stock_error']}")
+                if "versus_us" in r:
+                    print(f"  {' '.join(args.versus)}: ours {r['versus_us']:.1f} us (diff {r['versus_diff']:.1e})")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), copy_gbs=bw / 1e9,
                                                    cases=results), indent=1))

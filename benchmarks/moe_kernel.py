@@ -15,20 +15,18 @@ experts, as a model has.
                                     [--versus ROWS_MMA=0] [--json F]
 """
 import argparse
-import ast
 import copy
 import itertools
 import json
 import sys
 from pathlib import Path
-from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 from cases import random_experts, routing  # noqa: E402
-from common import copy_bandwidth, ptrs, row, time_eager, time_graph, time_pipelined  # noqa: E402
+from common import copy_bandwidth, ptrs, row, settings, time_eager, time_graph, time_pipelined  # noqa: E402
 
 from xmoe.kernels import ops  # noqa: E402
 
@@ -154,24 +152,6 @@ def run_case(T, skew, experts, stock, bw, dense, dev, eager=time_eager):
         except Exception as e:
             result["bf16_error"] = repr(e)[:200]
     return result
-
-
-def settings(pairs: list):
-    """A maker of context managers that set ops attributes from ["NAME=VALUE", ...] (Python literals, else
-    strings) and restore them; None for no pairs."""
-    if not pairs:
-        return None
-    values = {}
-    for pair in pairs:
-        name, _, value = pair.partition("=")
-        if not hasattr(ops, name):
-            raise SystemExit(f"--versus: xmoe.kernels.ops has no setting {name!r}")
-        try:
-            values[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            values[name] = value  # DECODER=gather
-
-    return lambda: mock.patch.multiple(ops, **values)
 
 
 def stack_step(layers, experts, stock, dev, tokens=6, distinct=True, versus=None):

@@ -387,7 +387,7 @@ def test_mma_pair_plan(monkeypatch):
     assert not ops.plan(1, 5120, 1152, 12.0, 132, mma=True, mid=True, single=True).pair  # "mid"
     assert not ops.plan(35, 5120, 1152, 1.0, 132, single=True).pair  # no grouped_mma
     dense = ops.plan(1, 2304, 5120, 1.0, 132, mma=True, mid=True, single=True)  # one chunk: the split at its cap
-    assert not dense.pair and dense.split == 16
+    assert not dense.pair and dense.split == ops.SPLIT_MOST
     monkeypatch.setattr(ops, "MMA_PAIR", False)
     assert not ops.plan(35, 5120, 1152, 1.0, 132, mma=True, single=True).pair
 
