@@ -139,7 +139,7 @@ def merged_case(ext, k, widths, K, M, dev, codebook, layers=1, versus=None):
     return r
 
 
-def merged_table(ext, args, dev) -> list:
+def merged_table(ext, args, dev, versus=None) -> list:
     widths = (24, 3, 5, 9, 9, 9, 9, 8, 8, 9, 9)
     print(row(("k -> widths", "K", "rows", "stock 1by1", "stock mg", "ours 1by1", "ours mg", "speedup", "bf16 us",
                "vs stock", "vs 1by1"), widths))
@@ -147,7 +147,7 @@ def merged_table(ext, args, dev) -> list:
     for k, outs in MERGED:
         for K in args.bits:
             for M in args.rows:
-                r = merged_case(ext, k, outs, K, M, dev, args.codebook, args.layers, settings(args.versus))
+                r = merged_case(ext, k, outs, K, M, dev, args.codebook, args.layers, versus)
                 results.append(dict(r, codebook=args.codebook))
                 print(row((f"{k}->{'/'.join(map(str, outs))}", f"{K:g}", M, f"{r.get('stock_apart_us', 0):.1f}",
                            f"{r.get('stock_sliced_us', 0):.1f}", f"{r['apart_us']:.1f}", f"{r['merged_us']:.1f}",
@@ -184,6 +184,7 @@ def main():
     ops.ROWS_MMA = args.rows_mma
     if args.fill:
         ops.FILL = dict.fromkeys(ops.FILL, args.fill)
+    versus = settings(args.versus)  # before any GPU work: a bad name stops the run at once
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {args.layers} layer(s) a timing")
@@ -192,7 +193,7 @@ def main():
         from stock import load_stock
         ext = load_stock()
     if args.merged:
-        results = merged_table(ext, args, dev)
+        results = merged_table(ext, args, dev, versus)
         if args.json:
             Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), merged=results), indent=1))
         return
@@ -203,7 +204,7 @@ def main():
     for k, n in SHAPES:
         for K in args.bits:
             for M in args.rows:
-                r = case(ext, k, n, K, M, bw, dev, args.codebook, args.layers, settings(args.versus))
+                r = case(ext, k, n, K, M, bw, dev, args.codebook, args.layers, versus)
                 results.append(dict(r, codebook=args.codebook))
                 print(row((f"{k}x{n}", f"{K:g}", M, f"{r.get('stock_us', 0):.1f}", f"{r['ours_us']:.1f}",
                            f"{r.get('speedup', 0):.2f}", f"{r['ours_gbs']:.0f}", f"{r['ours_pct_bw']:.1f}",
