@@ -28,8 +28,8 @@ was killed leaves ``<build_dir>/lock`` behind; delete it by hand.) Typical use::
     from benchmarks.stock import load_stock
     ext = load_stock()            # waits for / reuses the build above
 
-``XMOE_STOCK_SO=path/to/exllamav3_ext.so`` imports a finished build from an identical machine image
-instead (a fresh device machine then skips the ~300 s compile).
+``XMOE_STOCK_SO=path/to/exllamav3_ext.so`` (or ``.so.xz``) imports a finished build from an identical machine
+image instead (a fresh device machine then skips the ~300 s compile); one that does not load there is built.
 
 Command line: ``python benchmarks/stock.py [--build-dir DIR] [--source PATH] [--verbose]
 [--dry-run]``. ``--dry-run`` unpacks the sources and prints the sources count and flags
@@ -219,7 +219,10 @@ def load_stock(
     """
     prebuilt = os.environ.get("XMOE_STOCK_SO")
     if prebuilt:
-        return load_prebuilt(prebuilt, name)
+        try:
+            return load_prebuilt(prebuilt, name)
+        except (ImportError, OSError) as e:  # another machine image: build after all
+            print(f"XMOE_STOCK_SO={prebuilt} does not load here ({e}); building instead", file = sys.stderr)
     from torch.utils.cpp_extension import load
     build_dir = os.path.abspath(build_dir or default_build_dir())
     os.makedirs(build_dir, exist_ok = True)
@@ -228,11 +231,29 @@ def load_stock(
     return load(**build_args(sources_dir, name), build_directory = build_dir, verbose = verbose)
 
 
+def unpacked(path: str, build_dir: str | None = None) -> str:
+    """The shared object at `path`, or for `.so.xz` its contents, decompressed once into build_dir/prebuilt
+    (atomically, so an interrupted copy is never imported)."""
+    if not path.endswith(".xz"):
+        return path
+    import lzma
+    out_dir = os.path.join(os.path.abspath(build_dir or default_build_dir()), "prebuilt")
+    out = os.path.join(out_dir, os.path.basename(path)[:-3])
+    if not os.path.exists(out) or os.path.getmtime(out) < os.path.getmtime(path):
+        os.makedirs(out_dir, exist_ok = True)
+        tmp = f"{out}.{os.getpid()}.tmp"
+        with lzma.open(path) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(tmp, out)
+    return out
+
+
 def load_prebuilt(path: str, name: str = EXT_NAME):
-    """Import an extension built earlier on an identical machine image ($XMOE_STOCK_SO), skipping the build."""
+    """Import an extension built earlier on an identical machine image ($XMOE_STOCK_SO: the .so, or the .so
+    compressed by xz, which fits the device's 16 MiB a returned file), skipping the build."""
     import importlib.util
     import torch  # noqa: F401  (the extension links against torch's libraries)
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(name, unpacked(path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
