@@ -392,6 +392,15 @@ def test_mma_pair_plan(monkeypatch):
     assert not ops.plan(35, 5120, 1152, 1.0, 132, mma=True, single=True).pair
 
 
+def test_moe_split_cap():
+    """A MoE call's decode launches split K at most SPLIT_MOST_MOE times, dense layers at most SPLIT_MOST: at V4.1
+    shapes gate/up of two tokens (12 experts, 9 column blocks) reach the MoE cap, a one-row dense layer its own."""
+    gate_up = ops.plan(12, 1152, 5120, 1.0, 132, mma=True)
+    assert gate_up.mma and gate_up.split == ops.SPLIT_MOST_MOE < ops.SPLIT_MOST
+    assert ops.plan(1, 1152, 5120, 1.0, 132, mma=True, mid=True, single=True).split == ops.SPLIT_MOST
+    assert ops.plan(34, 1152, 5120, 1.0, 132, mma=True).split < ops.SPLIT_MOST_MOE  # 6 tokens: FILL decides
+
+
 def test_mma_pair_launch(monkeypatch):
     """How _gemm launches grouped_mma for one projection, paired (half the column blocks, gate and up's registers
     and unroll) and not."""

@@ -166,6 +166,10 @@ FILL = {"mma": 24, "rows": 16, "mid": 16, "gemv": 32, "decode": 4, "prefill": 4}
 # K splits a launch takes at most (its epilogue reads every split's partials). A dense layer of 1-16 rows is one
 # chunk, so its split stays at this cap far short of FILL: 5120 x 2304 makes 18 column blocks x 16 = 288 programs.
 SPLIT_MOST = 16
+# The same for a MoE call's decode-size grouped_mma launches (only calls of 1-4 tokens reach either cap at V4.1
+# shapes). On an H100 at V4.1 shapes, two runs in one process against 16: 2-4 tokens 2.5-6% faster, uniform and
+# skewed; 1 token within 2% either way; 6 and 8 tokens the same plans (docs/data/moe_kernel_h100_twentyfifth_cap12.txt).
+SPLIT_MOST_MOE = 12
 # Calls of up to this many slots (at most routing.ROUTE_SLOTS) route and rotate in one launch (route_rotate), else
 # route_small, then rotate_rows; 0 turns it off. On an H100 at V4.1 shapes, 6 tokens (36 slots): 5.2 us against
 # 4.4 + 3.7; 12 tokens (72): 24.7 against 4.8 + 10.0, as route_small's one program over 128 slots on 4 warps (8
@@ -237,7 +241,7 @@ def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float 
     while n % BN:  # n is a multiple of 128, BN a power of two: every column block whole
         BN //= 2
     steps = k // BK
-    most = min(steps, SPLIT_MOST)
+    most = min(steps, SPLIT_MOST_MOE if mode == "mma" and not mid else SPLIT_MOST)
     blocks = max(chunks, 1) * (n // BN)  # programs a K split
     pair = (MMA_PAIR and single and mode == "mma" and n // BN % 2 == 0
             and blocks // 2 * most >= FILL[mode] * sms)  # pairs still fill the GPU
