@@ -78,7 +78,7 @@ def test_greedy_tokens_equal_transformers_on_the_decoded_weights(client, demo_se
     served = []
     for p in prompts:
         r = client.completions.create(model=demo_server.model, prompt=p, max_tokens=n, temperature=0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+                                      extra_body={"ignore_eos": True, "min_tokens": n, "return_token_ids": True})
         served.append(r.choices[0].model_dump()["token_ids"])
     model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
     exl3 = exl3_tensors(demo_server.options.model)

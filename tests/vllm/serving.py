@@ -63,8 +63,11 @@ class Server:
         client = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0)
         out = []
         for p in PROMPTS:
+            # min_tokens keeps eos (t2) out as the reference's min_new_tokens does; special tokens (t0-t2) stay in
+            # the text
             r = client.completions.create(model=str(model), prompt=p, max_tokens=N, temperature=0,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+                                          extra_body={"ignore_eos": True, "min_tokens": N, "return_token_ids": True,
+                                                      "skip_special_tokens": False})
             choice = r.choices[0].model_dump()
             assert choice["text"].split() == [f"t{i}" for i in choice["token_ids"]]  # the word tokenizer
             out.append(choice["token_ids"])
