@@ -167,8 +167,9 @@ FILL = {"mma": 24, "rows": 16, "mid": 16, "gemv": 32, "decode": 4, "prefill": 4}
 # chunk, so its split stays at this cap far short of FILL: 5120 x 2304 makes 18 column blocks x 16 = 288 programs.
 SPLIT_MOST = 16
 # The same for a MoE call's decode-size grouped_mma launches (only calls of 1-4 tokens reach either cap at V4.1
-# shapes). On an H100 at V4.1 shapes, two runs in one process against 16: 2-4 tokens 2.5-6% faster, uniform and
-# skewed; 1 token within 2% either way; 6 and 8 tokens the same plans (docs/data/moe_kernel_h100_twentyfifth_cap12.txt).
+# shapes). On an H100 at V4.1 shapes, three runs, each in one process against 16: 2-4 tokens 2-6% faster, uniform
+# and skewed; 1 token within 2% either way; 6 and 8 tokens the same plans
+# (docs/data/moe_kernel_h100_twentyfifth_cap12.txt).
 SPLIT_MOST_MOE = 12
 # Calls of up to this many slots (at most routing.ROUTE_SLOTS) route and rotate in one launch (route_rotate), else
 # route_small, then rotate_rows; 0 turns it off. On an H100 at V4.1 shapes, 6 tokens (36 slots): 5.2 us against
