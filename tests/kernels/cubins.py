@@ -16,11 +16,20 @@ def compile_gluon(fn, args: dict, const: dict, arch: int, **options):
     pointers and sizes aligned as at V4.1 shapes, which decides how the loads are vectorised."""
     from triton.experimental import gluon
 
+    return _compile(gluon._runtime.GluonASTSource, fn, args, const, arch, options)
+
+
+def compile_triton(fn, args: dict, const: dict, arch: int, **options):
+    """The same for a Triton kernel."""
+    return _compile(triton.compiler.ASTSource, fn, args, const, arch, options)
+
+
+def _compile(source, fn, args: dict, const: dict, arch: int, options: dict):
     names = [name for name in fn.arg_names if name in args or name in const]
     aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in args
                if a.endswith("_ptr") or a in ("k", "n", "stride_te")}
-    src = gluon._runtime.GluonASTSource(fn, signature={name: args.get(name, "constexpr") for name in names},
-                                        attrs=aligned, constexprs={(names.index(a),): v for a, v in const.items()})
+    src = source(fn, signature={name: args.get(name, "constexpr") for name in names}, attrs=aligned,
+                 constexprs={(names.index(a),): v for a, v in const.items()})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
