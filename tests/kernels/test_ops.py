@@ -129,7 +129,7 @@ def test_prefill_epilogues_interpreter():
 @pytest.mark.parametrize("split, out, mul1", [(1, "*i32", False), (6, "*i32", False), (12, "*i32", False),
                                               (16, "*i32", False), (16, "*fp32", False), (4, "*i32", True)])
 def test_act_epilogue_compiles_without_spills(split, out, mul1):
-    """act_epilogue as decode calls launch it (ops.SMALL_ROWS rows, up to ops.SPLIT_MOST K splits of gate and up;
+    """act_epilogue as decode calls launch it (ops.ACT_ROWS rows, up to ops.SPLIT_MOST K splits of gate and up;
     grouped_mma's doubled fp16 or grouped_gemv's fp32 out), compiled for sm_90: no register spilled (at 16 rows
     120-176 bytes a thread spilled at 12-16 splits)."""
     pytest.importorskip("triton")
@@ -139,7 +139,7 @@ def test_act_epilogue_compiles_without_spills(split, out, mul1):
     args = dict(pg_ptr="*fp32", pu_ptr="*fp32", sums_g_ptr="*fp32", sums_u_ptr="*fp32", expert_ptr="*i32",
                 svh_g_ptr="*fp16", svh_u_ptr="*fp16", suh_d_ptr="*fp16", had_ptr="*fp16", out_ptr=out,
                 sums_ptr="*fp32", P="i32", n="i32", n_real="i32", E="i32", limit="fp32", KB="i32")
-    const = dict(HAS_LIMIT=mul1, MUL1_H=mul1, SUMS=mul1, SPLIT=split, BM=ops.SMALL_ROWS)
+    const = dict(HAS_LIMIT=mul1, MUL1_H=mul1, SUMS=mul1, SPLIT=split, BM=ops.ACT_ROWS)
     kernel = compile_triton(act_epilogue, args, const, 90, num_warps=ops.EPILOGUE[0][1])
     usage = resources(kernel.asm["cubin"])
     assert usage["STACK"] == usage["LOCAL"] == 0, usage

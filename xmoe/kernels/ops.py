@@ -133,14 +133,16 @@ EPILOGUE_SMALL = 256  # rows up to which the prologue and epilogues take EPILOGU
 # skewed tokens the three kernels together took 26-37% longer at 64 rows and 8 warps, 1.45-1.5x at 16 rows and 4,
 # 2.0-2.5x at 32 or 16 rows and 8 (docs/data/moe_kernel_h200_epilogue_sweep.txt).
 EPILOGUE = ((16, 4), (64, 4))
-# Rows a program of route_rotate and, in calls of up to EPILOGUE_SMALL slots, of act_epilogue: latency chains, where
-# 8 rows hold half the values a thread (at 1-4 tokens most of 16 rows were masked, their instructions issued all the
-# same), beyond 8 slots make twice the programs, and leave act_epilogue no spill (at 16 rows it spilled 120-176 bytes
-# a thread at 12-16 K splits; Triton 3.6, sm_90). On an H100 at V4.1 shapes, against main's 16 in one process, three
-# rounds: act_epilogue 4.1-6.2 us against 5.2-7.9 at 1-40 tokens, route_rotate 3.3-4.6 against 3.5-5.2 at 1-6,
-# outputs bit-equal (docs/data/moe_kernel_h100_twentysixth_rows.txt). rotate_rows (beyond ROUTE_ROTATE slots) took
-# longer at 8 (24 tokens: 9.2 against 6.0 us), so it keeps EPILOGUE.
-SMALL_ROWS = 8
+# Rows a program of act_epilogue in calls of up to EPILOGUE_SMALL slots, and of route_rotate: latency chains, where
+# fewer rows hold fewer values a thread (at 1-4 tokens most of 16 rows were masked, their instructions issued all the
+# same), make more programs beyond them and leave act_epilogue no spill (at 16 rows it spilled 120-176 bytes a thread
+# at 12-16 K splits; Triton 3.6, sm_90). On an H100 at V4.1 shapes, in one process, three rounds
+# (docs/data/moe_kernel_h100_twentysixth_rows.txt): act_epilogue at 8 rows 4.1-6.2 us against main's 5.2-7.9 at 1-40
+# tokens, outputs bit-equal, and at 4 rows 3.2-5.1 against 4.1-6.1 at 1-12; route_rotate at 8 rows 3.3-4.6 against
+# 3.5-5.2 at 1-6, at 4 rows 5.4-7.6 against 4.5-5.1 at 6-8. rotate_rows (beyond ROUTE_ROTATE slots) took longer at 8
+# (24 tokens: 9.2 against 6.0 us), so it keeps EPILOGUE.
+ACT_ROWS = 4
+ROUTE_ROTATE_ROWS = 8
 # Tokens up to which the combine stacks a few tokens' slots into one product a program (combine_stacked): on the
 # H200, in one run, 6.0 us at 6 tokens where one program per 16 tokens took 14.1; at 48 tokens 23.9 against 13.4.
 COMBINE_STACKED = 16
@@ -325,7 +327,7 @@ def _route_rotate(x, topk_ids, expert_map, w: Exl3Weight, second: Exl3Weight, la
     P = topk_ids.numel()
     r, args, meta = small_route(topk_ids, w.experts, launch.BM, expert_map)
     a0, a1, s0, s1 = out = _rotation_buffers(P, w, second, launch, x.device)
-    ROWS, warps = SMALL_ROWS, epilogue_launch(P)[1]
+    ROWS, warps = ROUTE_ROTATE_ROWS, epilogue_launch(P)[1]
     route_rotate[(-(-P // ROWS) + 1, w.k // 128)](*args, x, x.stride(0), w.suh, second.suh, a0, a1, s0, s1,
                                                   _had(str(x.device)), w.k, w.suh.shape[-1], **meta, DUAL=True,
                                                   SUMS=_mul1_h(w), ROWS=ROWS, num_warps=warps)
@@ -746,7 +748,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     _dense_products(hot, a0, a1, g, experts.up, pg, pu)
     mid, mid_sums = _act_buffer(P, g.n, down_launch, dev), _sums(P, g.n, d, dev)
     BM, warps = epilogue_launch(P)
-    BM = SMALL_ROWS if P <= EPILOGUE_SMALL else BM
+    BM = ACT_ROWS if P <= EPILOGUE_SMALL else BM
     act_epilogue[(-(-P // BM), g.n // 128)](pg, pu, s0, s1, r.sorted_expert, g.svh, experts.up.svh, d.suh,
                                             _had(str(dev)), mid, mid_sums, P, g.n, experts.intermediate, E,
                                             float(limit or 0.0), g.k // 128, HAS_LIMIT=limit is not None,
