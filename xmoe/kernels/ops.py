@@ -133,14 +133,14 @@ EPILOGUE_SMALL = 256  # rows up to which the prologue and epilogues take EPILOGU
 # skewed tokens the three kernels together took 26-37% longer at 64 rows and 8 warps, 1.45-1.5x at 16 rows and 4,
 # 2.0-2.5x at 32 or 16 rows and 8 (docs/data/moe_kernel_h200_epilogue_sweep.txt).
 EPILOGUE = ((16, 4), (64, 4))
-# Rows a program of act_epilogue in calls of up to EPILOGUE_SMALL slots, and of route_rotate: latency chains, where
-# fewer rows hold fewer values a thread (at 1-4 tokens most of 16 rows were masked, their instructions issued all the
-# same), make more programs beyond them and leave act_epilogue no spill (at 16 rows it spilled 120-176 bytes a thread
-# at 12-16 K splits; Triton 3.6, sm_90). On an H100 at V4.1 shapes, in one process, three rounds
-# (docs/data/moe_kernel_h100_twentysixth_rows.txt): act_epilogue at 8 rows 4.1-6.2 us against main's 5.2-7.9 at 1-40
-# tokens, outputs bit-equal, and at 4 rows 3.2-5.1 against 4.1-6.1 at 1-12; route_rotate at 8 rows 3.3-4.6 against
-# 3.5-5.2 at 1-6, at 4 rows 5.4-7.6 against 4.5-5.1 at 6-8. rotate_rows (beyond ROUTE_ROTATE slots) took longer at 8
-# (24 tokens: 9.2 against 6.0 us), so it keeps EPILOGUE.
+# Rows a program of act_epilogue (calls of up to EPILOGUE_SMALL slots) and of route_rotate. Both are latency chains;
+# fewer rows mean fewer values a thread (at 1-4 tokens most of 16 rows were masked, their instructions issued all the
+# same) and more programs. At 16 rows act_epilogue also spilled 120-176 bytes a thread at 12-16 K splits (Triton 3.6,
+# sm_90). On an H100 at V4.1 shapes, per kernel, three rounds in one process
+# (docs/data/moe_kernel_h100_twentysixth_rows.txt):
+# - act_epilogue: 3.2-5.1 us at 4 rows, 4.1-6.1 at 8, 5.2-7.9 at main's 16 (1-12 tokens); outputs bit-equal.
+# - route_rotate: 3.3-4.6 us at 8 rows against 3.5-5.2 at 16 (1-6 tokens); at 4 rows 5.4-7.6 against 4.5-5.1 (6-8).
+# - rotate_rows (beyond ROUTE_ROTATE slots) took longer at 8 (24 tokens: 9.2 against 6.0 us), so it keeps EPILOGUE.
 ACT_ROWS = 4
 ROUTE_ROTATE_ROWS = 8
 # Tokens up to which the combine stacks a few tokens' slots into one product a program (combine_stacked): on the
