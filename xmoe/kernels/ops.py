@@ -290,9 +290,12 @@ CODEBOOK_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
 MASK_8FFF = 0x8FFF8FFF - (1 << 32)  # the codebooks' mask as an int32 argument of grouped_gemv
 
 
-def epilogue_launch(rows: int) -> tuple:
-    """(rows, warps) a program of the rotation prologue and the epilogues of a call of `rows` rows."""
-    return EPILOGUE[rows > EPILOGUE_SMALL]
+def epilogue_launch(rows: int, small_rows: int | None = None) -> tuple:
+    """(rows, warps) a program of the rotation prologue and the epilogues of a call of `rows` rows; small_rows
+    replaces EPILOGUE's rows a program up to EPILOGUE_SMALL (ACT_ROWS, ROUTE_ROTATE_ROWS)."""
+    if rows > EPILOGUE_SMALL:
+        return EPILOGUE[1]
+    return small_rows or EPILOGUE[0][0], EPILOGUE[0][1]
 
 
 def _rotation_buffers(P: int, w: Exl3Weight, second: Exl3Weight | None, launch: Launch,
@@ -327,7 +330,7 @@ def _route_rotate(x, topk_ids, expert_map, w: Exl3Weight, second: Exl3Weight, la
     P = topk_ids.numel()
     r, args, meta = small_route(topk_ids, w.experts, launch.BM, expert_map)
     a0, a1, s0, s1 = out = _rotation_buffers(P, w, second, launch, x.device)
-    ROWS, warps = ROUTE_ROTATE_ROWS, epilogue_launch(P)[1]
+    ROWS, warps = epilogue_launch(P, ROUTE_ROTATE_ROWS)
     route_rotate[(-(-P // ROWS) + 1, w.k // 128)](*args, x, x.stride(0), w.suh, second.suh, a0, a1, s0, s1,
                                                   _had(str(x.device)), w.k, w.suh.shape[-1], **meta, DUAL=True,
                                                   SUMS=_mul1_h(w), ROWS=ROWS, num_warps=warps)
@@ -747,8 +750,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         _gemm(a0, a1, chunks, g, pg, pu, experts.up, up_launch)
     _dense_products(hot, a0, a1, g, experts.up, pg, pu)
     mid, mid_sums = _act_buffer(P, g.n, down_launch, dev), _sums(P, g.n, d, dev)
-    BM, warps = epilogue_launch(P)
-    BM = ACT_ROWS if P <= EPILOGUE_SMALL else BM
+    BM, warps = epilogue_launch(P, ACT_ROWS)
     act_epilogue[(-(-P // BM), g.n // 128)](pg, pu, s0, s1, r.sorted_expert, g.svh, experts.up.svh, d.suh,
                                             _had(str(dev)), mid, mid_sums, P, g.n, experts.intermediate, E,
                                             float(limit or 0.0), g.k // 128, HAS_LIMIT=limit is not None,
