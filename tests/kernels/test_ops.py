@@ -521,7 +521,9 @@ GPU_MOE = [dict(M=M, E=E, hidden=h, inter=i, top_k=k, K=K, codebook=cb, skew=s)
            for (E, h, i, k, cb, s) in ((8, 576, 1536, 2, "3inst", False), (384, 1024, 384, 6, "mcg", True))] + \
           [dict(M=6, E=32, hidden=512, inter=256, top_k=4, K=2, codebook="mcg", skew=False, K_down=3)] + \
           [dict(M=M, E=64, hidden=1024, inter=384, top_k=6, K=K, codebook="mul1", skew=M == 6) for M in (1, 6, 33)
-           for K in (2, 4, 1.5, 2.5, 3.5)]
+           for K in (2, 4, 1.5, 2.5, 3.5)] + \
+          [dict(M=M, E=384, hidden=1024, inter=384, top_k=1, K=2, codebook="mcg", skew=s) for M in (1, 7, 222, 1542)
+           for s in (False, True)]  # top-1 routing: one slot a token
 
 
 @pytest.fixture(params=["gather", "tiled", "tiled-swap", "tiled-gemv", "tiled-mma", "tiled-rows"])
