@@ -135,7 +135,9 @@ MID_TILE = ops.TUNED["mid", True]  # dense layers of 9-16 rows: the same kernel 
     [(K, CB, False, ROWS_TILE[2], ROWS_TILE[1], 90, ROWS_TILE[0]) for K, CB in ((2, 1), (2, 2), (3, 1), (4, 0),
                                                                                (2.5, 2), (3, 2))] +
     [(K, CB, False, MID_TILE[2], MID_TILE[1], 90, MID_TILE[0]) for K, CB in ((2, 1), (3, 2), (4, 0), (1.5, 2))]] +
-    [(K, CB, False, 128, 32, 90, 8, True) for K, CB in ((2, 1), (2, 2), (3, 1), (4, 0), (1, 1), (2.5, 2), (3.5, 2))])
+    [(K, CB, False, 128, 32, 90, 8, True) for K, CB in ((2, 1), (2, 2), (3, 1), (4, 0), (1, 1), (2.5, 2), (3.5, 2))] +
+    # workstation and Blackwell GPUs: Ampere and Ada (sm_86, sm_89), sm_100 and sm_120 (RTX 50 series)
+    [(2, 1, True, 128, 32, arch, 8, False) for arch in (86, 89, 100, 120)] + [(3, 2, False, 128, 32, 120, 8, True)])
 def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, ROWS, PAIR):
     kernel = compiled(K, CB, DUAL, BN, BK, arch, ROWS, PAIR)
     assert kernel.metadata.shared == 0, "a decoded weight went through shared memory"

@@ -145,6 +145,27 @@ def test_act_epilogue_compiles_without_spills(split, out, mul1):
     assert usage["STACK"] == usage["LOCAL"] == 0, usage
 
 
+@pytest.mark.parametrize("arch, smem", [(90, 232448), (100, 232448), (120, 101376), (89, 101376), (86, 101376)])
+def test_dense_gemm_fits_shared_memory(arch, smem, monkeypatch):
+    """The dense path's GEMM (dense_gemm_tma from sm_90, dense_gemm before) at the tile and pipeline stages
+    ops._dense_tile gives a GPU with `smem` bytes of shared memory a program (H100, H200 and B200: 227 KB; RTX
+    3090/4090/5090 and their workstation parts: 99 KB), compiled for its arch: it fits."""
+    pytest.importorskip("triton")
+    from cubins import compile_triton
+    from xmoe.kernels.triton_exl3 import dense_gemm, dense_gemm_tma
+
+    monkeypatch.setattr(ops, "_shared_memory", lambda index: smem)
+    BM, BN, BK, warps, stages = ops._dense_tile(torch.device("cuda", 0))
+    tma = arch >= 90
+    operands = ({"a_desc": f"tensordesc<fp16[{BM}, {BK}]>", "w_desc": f"tensordesc<fp16[{BK}, {BN}]>"} if tma else
+                {"a_ptr": "*fp16", "w_ptr": "*fp16"})
+    args = {**operands, "chunk_pos_ptr": "*i32", "chunk_len_ptr": "*i32", "chunk_slot_ptr": "*i32", "p_ptr": "*fp32",
+            "P": "i32", "k": "i32", "n": "i32"}
+    kernel = compile_triton(dense_gemm_tma if tma else dense_gemm, args, dict(SPLIT=1, BM=BM, BN=BN, BK=BK), arch,
+                            num_warps=warps, num_stages=stages)
+    assert kernel.metadata.shared <= smem, (stages, kernel.metadata.shared)
+
+
 def test_gather_decoder_interpreter():
     """The per-weight gather decoder (every K; the default takes it only where K is not 1, 2, 4 or 8)."""
     pytest.importorskip("triton")
