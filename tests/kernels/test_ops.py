@@ -145,11 +145,12 @@ def test_act_epilogue_compiles_without_spills(split, out, mul1):
     assert usage["STACK"] == usage["LOCAL"] == 0, usage
 
 
-@pytest.mark.parametrize("arch, smem", [(90, 232448), (100, 232448), (120, 101376), (89, 101376), (86, 101376)])
+@pytest.mark.parametrize("arch, smem", [(90, 232448), (100, 232448), (120, 101376), (89, 101376), (86, 101376),
+                                         (80, 166912)])
 def test_dense_gemm_fits_shared_memory(arch, smem, monkeypatch):
     """The dense path's GEMM (dense_gemm_tma from sm_90, dense_gemm before) at the tile and pipeline stages
-    ops._dense_tile gives a GPU with `smem` bytes of shared memory a program (H100, H200 and B200: 227 KB; RTX
-    3090/4090/5090 and their workstation parts: 99 KB), compiled for its arch: it fits."""
+    ops._dense_tile gives a GPU with `smem` bytes of shared memory a program (H100, H200 and B200: 227 KB; A100:
+    163 KB; RTX 3090/4090/5090 and their workstation parts: 99 KB), compiled for its arch: it fits."""
     pytest.importorskip("triton")
     from cubins import compile_triton
     from xmoe.kernels.triton_exl3 import dense_gemm, dense_gemm_tma
