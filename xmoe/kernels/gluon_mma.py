@@ -80,7 +80,18 @@ def byte_pair(x, sel):
 
 
 @gluon.jit
-def lane_states(lo, src, shift, lane, t, q, W: gl.constexpr):
+def half(x, TOP: gl.constexpr):
+    """x's top (TOP) or bottom 16 bits, zero-extended, by dp2a: an IDP on the FMA pipe, which takes it at IMAD's
+    rate, where a PRMT, shift or AND would take the integer pipe."""
+    if TOP:
+        return gl.inline_asm_elementwise("dp2a.lo.u32.u32 $0, $1, 256, 0;", "=r,r", [x], dtype=gl.uint32,
+                                         is_pure=True, pack=1)
+    return gl.inline_asm_elementwise("dp2a.lo.u32.u32 $0, $1, 1, 0;", "=r,r", [x], dtype=gl.uint32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def lane_states(lo, src, shift, lane, t, q, W: gl.constexpr, IDP: gl.constexpr):
     """The 16-bit states of each lane's 8 weights q (positions 8 lane + q, W = 8 K bits a lane) from its word lo
     and the word before it (lane src's). At K = 1, 2, 4 all 8 end in lo. At K = 2 they lie in one 30-bit window
     (hi:lo >> 16 for even lanes, lo for odd ones), state q ending 14 - 2 q bits up. Shifted up by 2, 4 or 6 bits
@@ -88,7 +99,10 @@ def lane_states(lo, src, shift, lane, t, q, W: gl.constexpr):
     every state starts on a byte: one PRMT each.
     Other K (1.5, 2.5, 3, 3.5) span up to 41 bits: q < 4 lie in the 32 bits ending where state 3 ends, q >= 4 in
     the 32 ending where state 7 does, each window one funnel shift of lo and the word before, or of the word after
-    (another lane's, where the second window ends a word later) and lo; each state a constant shift of its window."""
+    (another lane's, where the second window ends a word later) and lo; each state a constant shift of its window.
+    IDP: a bit mask of the states q that sit in a top or bottom half and are taken from it by dp2a (`half`)
+    rather than by the integer pipe, to balance the two pipes (ops.MMA_IDP)."""
+    idp = ((IDP >> q) & 1) == 1
     hi = from_lane(lo, src)
     if W != 8 and W != 16 and W != 32:
         KA: gl.constexpr = W // 8  # K rounded down; half-integer K (W % 8 = 4): odd positions add a bit more
@@ -100,14 +114,17 @@ def lane_states(lo, src, shift, lane, t, q, W: gl.constexpr):
         up = (3 - q % 4) * KA + H * (2 - (q % 4 + 1) // 2)  # bits from state q's end to its window's
         top = gl.inline_asm_elementwise("mul.lo.u32 $0, $1, $2;", "=r,r,r", [window, (65536 >> up).to(gl.uint32)],
                                         dtype=gl.uint32, is_pure=True, pack=1)  # << 16 - up, as a multiply
-        return gl.where(q % 4 == 3, window & 0xFFFF, top >> 16)
+        return gl.where(q % 4 == 3, gl.where(idp, half(window, False), window & 0xFFFF),
+                        gl.where(idp, half(top, True), top >> 16))
     if W == 16:
         window = funnel(lo, hi, (16 - 16 * (t & 1)).to(gl.uint32))
         up = 2 * ((q + 1) % 4)  # state q moved up to bit 16 (q < 3), 8 (q < 7) or left at 0: 2, 4, 6 or 0 bits
         moved = gl.inline_asm_elementwise("mul.lo.u32 $0, $1, $2;", "=r,r,r", [window, (1 << up).to(gl.uint32)],
                                           dtype=gl.uint32, is_pure=True, pack=1)
-        return byte_pair(moved, gl.where(q < 3, 0x4432, gl.where(q < 7, 0x4421, 0x4410)).to(gl.uint32))
-    return funnel(lo, hi, shift) & 0xFFFF
+        picked = byte_pair(moved, gl.where(q < 3, 0x4432, gl.where(q < 7, 0x4421, 0x4410)).to(gl.uint32))
+        return gl.where(idp & (q < 3), half(moved, True), gl.where(idp & (q == 7), half(moved, False), picked))
+    window = funnel(lo, hi, shift)
+    return gl.where(idp, half(window, False), window & 0xFFFF)
 
 
 @gluon.jit
@@ -201,14 +218,14 @@ def load_both(w0, w1, a0_ptr, a1_ptr, step, stride_step, lo_off, a_off, BK: gl.c
 @gluon.jit
 def products(lo0, x0, lo1, x1, acc0, acc1, src, shift, lane, t, q, mask, W: gl.constexpr, CB: gl.constexpr,
              BN: gl.constexpr, BK: gl.constexpr, ROWS: gl.constexpr, DUAL: gl.constexpr, A: gl.constexpr,
-             B: gl.constexpr, PAIR: gl.constexpr):
+             B: gl.constexpr, PAIR: gl.constexpr, IDP: gl.constexpr):
     """One K step: the words decoded into the A operand, multiplied by the rows, added to the accumulators
     (PAIR: both projections by the same rows)."""
-    w = decode_operand(lane_states(lo0, src, shift, lane, t, q, W), mask, CB, BN, BK, A)
+    w = decode_operand(lane_states(lo0, src, shift, lane, t, q, W, IDP), mask, CB, BN, BK, A)
     rows = act_operand(x0, BK, ROWS, B)
     acc0 = mma_v2(w, rows, acc0)
     if DUAL:
-        w = decode_operand(lane_states(lo1, src, shift, lane, t, q, W), mask, CB, BN, BK, A)
+        w = decode_operand(lane_states(lo1, src, shift, lane, t, q, W, IDP), mask, CB, BN, BK, A)
         if not PAIR:
             rows = act_operand(x1, BK, ROWS, B)
         acc1 = mma_v2(w, rows, acc1)
@@ -219,7 +236,7 @@ def products(lo0, x0, lo1, x1, acc0, acc1, src, shift, lane, t, q, mask, W: gl.c
 def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, n_chunks_ptr, t0_ptr, t1_ptr,
                 p0_ptr, p1_ptr, P, k, n: gl.constexpr, stride_te, mask, W: gl.constexpr, CB: gl.constexpr,
                 DUAL: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr, ROWS: gl.constexpr,
-                UNROLL: gl.constexpr, PAIR: gl.constexpr):
+                UNROLL: gl.constexpr, PAIR: gl.constexpr, IDP: gl.constexpr):
     """grouped_gemv's contract (rotated rows as doubled fp16, triton_exl3.as_operand; chunks of up to ROWS
     rows, a multiple of 8: the MMA's N; fp32 partials per K split) on mma.sync. In each (chunk, column block,
     K split) program, warp w takes the 16 columns from 16 w of every 16 * warps. n is a constexpr, so the tiles'
@@ -278,18 +295,18 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
         n_lo0, n_x0, n_lo1, n_x1 = load_both(w0, w1, a0_ptr, a1_ptr, gl.minimum(step + 1, last - 1), stride_step,
                                              lo_off, a_off, BK, TWO, PAIR)
         acc0, acc1 = products(lo0, x0, lo1, x1, acc0, acc1, src, shift, lane, t, q, mask, W, CB, BN, BK, ROWS, TWO,
-                              A, B, PAIR)
+                              A, B, PAIR, IDP)
         lo0, x0, lo1, x1 = n_lo0, n_x0, n_lo1, n_x1
     if UNROLL == 2:
         for step in range(single, last, 2):
             n_lo0, n_x0, n_lo1, n_x1 = load_both(w0, w1, a0_ptr, a1_ptr, step + 1, stride_step, lo_off, a_off, BK,
                                                  TWO, PAIR)
             acc0, acc1 = products(lo0, x0, lo1, x1, acc0, acc1, src, shift, lane, t, q, mask, W, CB, BN, BK, ROWS,
-                                  TWO, A, B, PAIR)
+                                  TWO, A, B, PAIR, IDP)
             lo0, x0, lo1, x1 = load_both(w0, w1, a0_ptr, a1_ptr, gl.minimum(step + 2, last - 1), stride_step,
                                          lo_off, a_off, BK, TWO, PAIR)
             acc0, acc1 = products(n_lo0, n_x0, n_lo1, n_x1, acc0, acc1, src, shift, lane, t, q, mask, W, CB, BN, BK,
-                                  ROWS, TWO, A, B, PAIR)
+                                  ROWS, TWO, A, B, PAIR, IDP)
 
     cols = gl.expand_dims(gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)), 1)
     out_rows = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA)), 0)
@@ -326,6 +343,6 @@ def decode_weights(t_ptr, expert_ptr, out_ptr, k, n, stride_te, mask, W: gl.cons
     first = gl.program_id(0) * STEPS
     for step in range(first, gl.minimum(k // BK, first + STEPS)):
         lo = gl.load(t_ptr + e * stride_te + step * stride_step + lo_off).to(gl.uint32, bitcast=True)
-        low, high = halves(codewords(lane_states(lo, src, shift, lane, t, q, W), mask, CB, MUL1_H))
+        low, high = halves(codewords(lane_states(lo, src, shift, lane, t, q, W, 0), mask, CB, MUL1_H))
         w = gl.reshape(gl.permute(low + high, TILE_ORDER.value), [BK, BN])
         gl.store(out + step * BK * n, gl.convert_layout(w, ROWS))
