@@ -168,8 +168,9 @@ MMA_PAIR = True
 # States a decode-size grouped_mma takes from a top or bottom half by dp2a (an IDP, on the FMA pipe at IMAD's rate)
 # rather than by a PRMT, shift or AND on the integer pipe, as a bit mask of the 8 states of a lane, per (bits a lane
 # W = 8 K, codebook): the count of instructions stays, the two pipes even out. On an H100 against none, outputs
-# bit-equal: K = 2 MCG and 3INST 3-4% less GPU time at 1-48 tokens, K = 3 MCG 1-2%, K = 4 MCG 9-11%; mul1, whose
-# codewords already take the FMA pipe (dp4a), 3-4% more, so none (docs/data/moe_kernel_h100_twentyeighth_idp*).
+# bit-equal: K = 2 MCG and 3INST 3-4% less decode time at 1-48 tokens, K = 3 0.5-2.5%, K = 1 and 4 8-11% (MCG; 3INST
+# at K = 4 7%); mul1, whose codewords already take the FMA pipe (dp4a), 3-4% more, so none
+# (docs/data/moe_kernel_h100_twentyeighth_idp*). Timed on the H100 only; other GPUs take the same masks.
 MMA_IDP = {(8, 1): 0b11111111, (16, 1): 0b111, (16, 0): 0b111, (24, 1): 0b10001000, (24, 0): 0b10001000,
            (32, 1): 0b01110111, (32, 0): 0b01110111}
 ROWS_MAXNREG = 128  # the same for the "rows" regime's launches (at 128, no spills: Triton 3.6, sm_90)
@@ -398,12 +399,13 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
         pair = launch.pair and second is None
         single = second is None and not pair  # the settings of down alone, else of gate and up
         registers = ROWS_MAXNREG if prefill else MMA_MAXNREG[single]
+        idp = 0 if prefill else MMA_IDP.get((words.shape[-1], CODEBOOK_ID[w.codebook]), 0)
         for a, t, p in [(a0, words, p0)] + ([(a1, other, p1)] if second is not None and prefill else []):
             grouped_mma[grid[0], grid[1] // (1 + pair), grid[2]](
                 a, a1 if dual else a, pos, length, expert, count, t, other if dual else t, p, p1 if dual else p,
                 p0.shape[1], w.k, w.n, stride_te, MASK_8FFF, W=words.shape[-1], CB=CODEBOOK_ID[w.codebook], DUAL=dual,
                 BN=launch.BN, BK=launch.BK, SPLIT=launch.split, ROWS=launch.BM,
-                UNROLL=1 if prefill else MMA_UNROLL[single], PAIR=pair, IDP=0 if prefill else MMA_IDP.get((words.shape[-1], CODEBOOK_ID[w.codebook]), 0), num_warps=launch.warps,
+                UNROLL=1 if prefill else MMA_UNROLL[single], PAIR=pair, IDP=idp, num_warps=launch.warps,
                 **_maxnreg(registers))
         return
     if tiled and launch.gemv:
