@@ -67,6 +67,17 @@ def loop_ops(sass: str) -> list[collections.Counter]:
                                 for w in (t.split() for a, t in ins if start <= a <= end)) for start, end in loops]
 
 
+ALU = ("LOP3", "PRMT", "SHF", "IADD3", "SEL", "ISETP", "LEA", "IABS", "FLO", "POPC")  # the integer pipe
+FMA = ("IMAD", "IDP")  # IMAD (IMAD.HI at half rate) and dp2a/dp4a: the FMA pipe
+
+
+def pipes(counts: collections.Counter, per: float) -> str:
+    """Instructions a decoded weight on the integer (ALU) and FMA pipes; on sm_90 each takes a warp instruction
+    every two cycles (benchmarks/int_pipes.py), so each needs twice its count in cycles against issue's one."""
+    alu, fma = (sum(counts[op] for op in names) / per for names in (ALU, FMA))
+    return f"ALU pipe {alu:.2f}, FMA pipe {fma:.2f}"
+
+
 def viterbi(arch: int, warps: int = 16) -> None:
     from xmoe.quant import viterbi_half
 
@@ -123,7 +134,7 @@ def gluon_kernels(arch: int, codebook: str) -> None:
                    consts["BK"] * consts["BN"] * streams * consts["UNROLL"]) / (32 * warps)
             top = ", ".join(f"{op} {n / per:.2f}" for op, n in counts.most_common(8))
             print(f"K={K} {name:<16}: {usage['REG']} registers, {usage['STACK']} B stack; K loop "
-                  f"{sum(counts.values()) / per:.2f} instructions per decoded weight ({top})")
+                  f"{sum(counts.values()) / per:.2f} instructions per decoded weight ({top}; {pipes(counts, per)})")
 
 
 def main():
