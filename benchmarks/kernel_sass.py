@@ -113,7 +113,7 @@ def gluon_kernels(arch: int, codebook: str) -> None:
     print(f"gluon_mma, {codebook}, sm_{arch}, Triton {triton.__version__}, BN={BN} BK={BK} warps={warps}")
     for K in (1, 2, 3, 4) + ((1.5, 2.5, 3.5) if codebook == "mul1" else ()):
         # n: V4.1's gate and up; IDP: the states ops takes by dp2a
-        mma = dict(n=1152, W=int(8 * K), CB=CB, SPLIT=1, PAIR=False, IDP=ops.MMA_IDP.get((int(8 * K), CB), 0))
+        mma = dict(n=1152, W=int(8 * K), CB=CB, SPLIT=1, PAIR=False, IDP=ops._mma_idp(int(8 * K), CB, False))
         for name, fn, args, consts, registers in (
                 ("grouped_mma dual", gluon_mma.grouped_mma, mma_args,
                  dict(mma, DUAL=True, BN=BN, BK=BK, ROWS=8, UNROLL=ops.MMA_UNROLL[0]), ops.MMA_MAXNREG[0]),
@@ -122,7 +122,8 @@ def gluon_kernels(arch: int, codebook: str) -> None:
                 ("grouped_mma", gluon_mma.grouped_mma, mma_args,
                  dict(mma, DUAL=False, BN=BN, BK=BK, ROWS=8, UNROLL=ops.MMA_UNROLL[1]), ops.MMA_MAXNREG[1]),
                 ("grouped_mma rows", gluon_mma.grouped_mma, mma_args,
-                 dict(mma, DUAL=False, BN=RN, BK=RK, ROWS=RM, UNROLL=1, IDP=0), ops.ROWS_MAXNREG),
+                 dict(mma, DUAL=False, BN=RN, BK=RK, ROWS=RM, UNROLL=1, IDP=ops._mma_idp(int(8 * K), CB, True)),
+                 ops.ROWS_MAXNREG),
                 ("decode_weights", gluon_mma.decode_weights, decode_args,
                  dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8, MUL1_H=CB == 2), 0)):
             kernel = compile_gluon(fn, args, consts, arch, num_warps=warps, **ops._maxnreg(registers))

@@ -114,14 +114,9 @@ def unroll(TWO: bool, ROWS: int) -> int:
     return 1 if ROWS > 8 else ops.MMA_UNROLL[not TWO]
 
 
-def idp(K: float, CB: int, ROWS: int) -> int:
-    """The states ops has a grouped_mma launch take by dp2a (none in the "rows" regime)."""
-    return 0 if ROWS > 8 else ops.MMA_IDP.get((int(8 * K), CB), 0)
-
-
 def compiled(K: int, CB: int, DUAL: bool, BN: int, BK: int, arch: int, ROWS: int = 8, PAIR: bool = False):
     const = dict(n=1152, W=int(8 * K), CB=CB, DUAL=DUAL, BN=BN, BK=BK, SPLIT=1, ROWS=ROWS,
-                 UNROLL=unroll(DUAL or PAIR, ROWS), PAIR=PAIR, IDP=idp(K, CB, ROWS))
+                 UNROLL=unroll(DUAL or PAIR, ROWS), PAIR=PAIR, IDP=ops._mma_idp(int(8 * K), CB, ROWS > 8))
     return compile_gluon(grouped_mma, {**POINTERS, **SCALARS}, const, arch, num_warps=4,
                          **ops._maxnreg(registers(DUAL or PAIR, ROWS)))
 
@@ -155,7 +150,8 @@ def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, R
         "one MMA per 16 doubled K rows, warp tile and 8 rows, in each K step of the code (unrolled: 1 + 2)"
     assert "shfl.sync.idx.b32" in ptx and "ld.shared" not in ptx
     assert ("prmt.b32" in ptx) == (K == 2), "at K = 2 the byte-aligned states are picked by PRMT"
-    assert ("dp2a.lo.u32.u32" in ptx) == (idp(K, CB, ROWS) != 0), "ops.MMA_IDP's states are taken by dp2a"
+    assert ("dp2a.lo.u32.u32" in ptx) == (ops._mma_idp(int(8 * K), CB, ROWS > 8) != 0), \
+        "ops.MMA_IDP's states are taken by dp2a"
     assert ("dp4a.u32.u32" in ptx) == (CB == 2), "mul1's byte sum"
     assert "fma.rn.f16x2" not in ptx, "mul1's fp16 FMA is the epilogue's (triton_exl3.mul1_affine)"
 

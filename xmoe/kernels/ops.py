@@ -379,6 +379,11 @@ def _maxnreg(registers: int) -> dict:
     return {"maxnreg": registers} if registers else {}
 
 
+def _mma_idp(W: int, codebook_id: int, prefill: bool) -> int:
+    """The states a grouped_mma launch of W bits a lane takes by dp2a (MMA_IDP; none in the "rows" regime)."""
+    return 0 if prefill else MMA_IDP.get((W, codebook_id), 0)
+
+
 def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, launch: Launch):
     """Launch grouped_gemm (or grouped_gemv) over `chunks` = (pos, len, expert, count, bound) into partials p0
     (and p1)."""
@@ -399,7 +404,7 @@ def _gemm(a0, a1, chunks, w: Exl3Weight, p0, p1, second: Exl3Weight | None, laun
         pair = launch.pair and second is None
         single = second is None and not pair  # the settings of down alone, else of gate and up
         registers = ROWS_MAXNREG if prefill else MMA_MAXNREG[single]
-        idp = 0 if prefill else MMA_IDP.get((words.shape[-1], CODEBOOK_ID[w.codebook]), 0)
+        idp = _mma_idp(words.shape[-1], CODEBOOK_ID[w.codebook], prefill)
         for a, t, p in [(a0, words, p0)] + ([(a1, other, p1)] if second is not None and prefill else []):
             grouped_mma[grid[0], grid[1] // (1 + pair), grid[2]](
                 a, a1 if dual else a, pos, length, expert, count, t, other if dual else t, p, p1 if dual else p,
