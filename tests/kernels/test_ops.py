@@ -120,9 +120,11 @@ def test_moe_interpreter():
 
 def test_prefill_epilogues_interpreter():
     """The epilogues as prefill takes them: 64 rows a program (EPILOGUE_SMALL lowered), at 300 tokens (the
-    smaller cases above take combine_stacked, 4 and 2 tokens a program at top-k 3 and 8)."""
+    smaller cases above take combine_stacked, 2 and 1 tokens a program at top-k 3 and 8, products of 8 rows; here
+    also 4 tokens a program at top-k 3, 16 rows, as calls of more than COMBINE_FEW tokens take it)."""
     pytest.importorskip("triton")
-    run_interpreted("\n".join(["ops.EPILOGUE_SMALL = 4", f"check_moe(**{dict(SMALL_MOE[1], M=300)}, device='cpu')",
+    run_interpreted("\n".join(["ops.COMBINE_FEW = 0", f"check_moe(**{SMALL_MOE[1]}, device='cpu')",
+                               "ops.EPILOGUE_SMALL = 4", f"check_moe(**{dict(SMALL_MOE[1], M=300)}, device='cpu')",
                                f"check_moe(**{dict(SMALL_MOE[2], M=300)}, device='cpu')"]))
 
 
@@ -434,12 +436,15 @@ def test_mma_pair_plan(monkeypatch):
 
 
 def test_moe_split_cap():
-    """A MoE call's decode launches split K at most SPLIT_MOST_MOE times, dense layers at most SPLIT_MOST: at V4.1
-    shapes gate/up of two tokens (12 experts, 9 column blocks) reach the MoE cap, a one-row dense layer its own."""
+    """A MoE call's decode launches split K at most SPLIT_MOST_MOE times, dense layers at most SPLIT_MOST, and into
+    no fewer than MMA_MIN_STEPS K steps a program: at V4.1 shapes gate/up of two tokens (12 experts, 9 column blocks)
+    reach the MoE cap, a one-row dense layer its own, one token's down (36 steps) the steps' bound."""
     gate_up = ops.plan(12, 1152, 5120, 1.0, 132, mma=True)
     assert gate_up.mma and gate_up.split == ops.SPLIT_MOST_MOE < ops.SPLIT_MOST
     assert ops.plan(1, 1152, 5120, 1.0, 132, mma=True, mid=True, single=True).split == ops.SPLIT_MOST
     assert ops.plan(34, 1152, 5120, 1.0, 132, mma=True).split < ops.SPLIT_MOST_MOE  # 6 tokens: FILL decides
+    down = ops.plan(6, 5120, 1152, 1.0, 132, mma=True, single=True)  # one token's: 36 K steps
+    assert down.split == 1152 // down.BK // ops.MMA_MIN_STEPS < ops.SPLIT_MOST_MOE
 
 
 def test_mma_pair_launch(monkeypatch):

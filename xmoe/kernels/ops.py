@@ -146,6 +146,9 @@ ROUTE_ROTATE_ROWS = 8
 # Tokens up to which the combine stacks a few tokens' slots into one product a program (combine_stacked): on the
 # H200, in one run, 6.0 us at 6 tokens where one program per 16 tokens took 14.1; at 48 tokens 23.9 against 13.4.
 COMBINE_STACKED = 16
+# Tokens up to which combine_stacked's product takes 8 rows (one token's slots at top-6 to top-8) instead of 16:
+# twice the programs, each half as long.
+COMBINE_FEW = 8
 # Registers a thread ptxas may give grouped_mma, for gate and up together and for down alone (0: its own choice;
 # without a limit it takes 64 and 40). More registers let it issue the next K step's loads earlier in the loop.
 # Gate and up take 96 for two K steps an iteration (MMA_UNROLL; at 72 that spilled 32 bytes), 5 programs a
@@ -189,6 +192,12 @@ SPLIT_MOST = 16
 # and skewed; 1 token within 2% either way; 6 and 8 tokens the same plans
 # (docs/data/moe_kernel_h100_twentyfifth_cap12.txt).
 SPLIT_MOST_MOE = 12
+# K steps (of BK rows) a decode-size grouped_mma program takes at least: with fewer, its own start and its stores of
+# partials (which the epilogue reads back, one split each) outweigh a fuller GPU. On an H100 at V4.1 shapes, one
+# token's down (36 steps) took 10.3 us in 6 splits against 11.8 in 12 (the cap), 10.6 in 4, 10.9 in 9, and the combine
+# after it 3.9 against 4.2 (docs/data/moe_kernel_h100_twentyninth_split.txt); on the H200 a 2304 x 5120 dense layer
+# (72 steps) took 1-8% less time in 12 splits than in 15 (the twenty-fourth round).
+MMA_MIN_STEPS = 6
 # Calls of up to this many slots (at most routing.ROUTE_SLOTS) route and rotate in one launch (route_rotate), else
 # route_small, then rotate_rows; 0 turns it off. On an H100 at V4.1 shapes, 6 tokens (36 slots): 5.2 us against
 # 4.4 + 3.7; 12 tokens (72): 24.7 against 4.8 + 10.0, as route_small's one program over 128 slots on 4 warps (8
@@ -261,6 +270,8 @@ def plan(chunks: int, n: int, k: int, rows_per_chunk: float, sms: int, K: float 
         BN //= 2
     steps = k // BK
     most = min(steps, SPLIT_MOST_MOE if mode == "mma" and not mid else SPLIT_MOST)
+    if mode == "mma":
+        most = max(1, min(most, steps // MMA_MIN_STEPS))
     blocks = max(chunks, 1) * (n // BN)  # programs a K split
     pair = (MMA_PAIR and single and mode == "mma" and n // BN % 2 == 0
             and blocks // 2 * most >= FILL[mode] * sms)  # pairs still fill the GPU
@@ -780,7 +791,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     mul1_h = _mul1_h(d)
     if M <= COMBINE_STACKED:
         TP = 1 << (top_k - 1).bit_length()
-        BT = max(1, 16 // TP)  # tokens whose slots make one product of 16 rows
+        BT = max(1, (8 if M <= COMBINE_FEW else 16) // TP)  # tokens whose slots make one product
         combine_stacked[(-(-M // BT), d.n // 128)](*args, TOPK=top_k, MUL1_H=mul1_h, TP=TP,
                                                    SPLIT=down_launch.split, BT=BT, num_warps=epilogue_launch(M)[1])
     else:
