@@ -146,8 +146,10 @@ ROUTE_ROTATE_ROWS = 8
 # Tokens up to which the combine stacks a few tokens' slots into one product a program (combine_stacked): on the
 # H200, in one run, 6.0 us at 6 tokens where one program per 16 tokens took 14.1; at 48 tokens 23.9 against 13.4.
 COMBINE_STACKED = 16
-# Tokens up to which combine_stacked's product takes 8 rows (one token's slots at top-6 to top-8) instead of 16:
-# twice the programs, each half as long.
+# Tokens up to which combine_stacked's product takes 8 rows (one token's slots at top-5 to top-8) instead of 16:
+# twice the programs, each half as long. On an H100 at V4.1 shapes it took 4.2 against 5.0 us at one token, 5.6
+# against 6.0 at 6, 6.8 against 7.3 at 8 (docs/data/moe_kernel_h100_twentyninth_split.txt); at 12, 0.5 us longer
+# (the twenty-sixth round).
 COMBINE_FEW = 8
 # Registers a thread ptxas may give grouped_mma, for gate and up together and for down alone (0: its own choice;
 # without a limit it takes 64 and 40). More registers let it issue the next K step's loads earlier in the loop.
