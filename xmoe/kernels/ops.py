@@ -196,9 +196,10 @@ SPLIT_MOST = 16
 SPLIT_MOST_MOE = 12
 # K steps (of BK rows) a decode-size grouped_mma program takes at least: with fewer, its own start and its stores of
 # partials (which the epilogue reads back, one split each) outweigh a fuller GPU. On an H100 at V4.1 shapes, one
-# token's down (36 steps) took 10.3 us in 6 splits against 11.8 in 12 (the cap), 10.6 in 4, 10.9 in 9, and the combine
-# after it 3.9 against 4.2 (docs/data/moe_kernel_h100_twentyninth_split.txt); on the H200 a 2304 x 5120 dense layer
-# (72 steps) took 1-8% less time in 12 splits than in 15 (the twenty-fourth round).
+# token's down (36 steps) took 10.4-10.5 us in 6 splits against 11.0-11.1 in 12 (the cap), and the combine after it
+# 3.9 against 4.2-4.3 (docs/data/moe_kernel_h100_twentyninth_odd.txt; in a sweep, 10.6 in 4 splits and 10.9 in 9,
+# _split.txt); on the H200 a 2304 x 5120 dense layer (72 steps) took 1-8% less in 12 splits than in 15 (the
+# twenty-fourth round).
 MMA_MIN_STEPS = 6
 # Calls of up to this many slots (at most routing.ROUTE_SLOTS) route and rotate in one launch (route_rotate), else
 # route_small, then rotate_rows; 0 turns it off. On an H100 at V4.1 shapes, 6 tokens (36 slots): 5.2 us against
