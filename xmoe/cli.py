@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .serve.cli import add_serve_parser
     add_serve_parser(sub)
+    from .serve.wheelhouse import add_wheelhouse_parser
+    add_wheelhouse_parser(sub)
 
     from .bench.cli import add_bench, add_eval
     add_bench(sub)

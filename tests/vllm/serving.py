@@ -23,17 +23,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# On the CPU: fp32 and eager. On a GPU the kernels take fp16/bf16 and CUDA graphs are on unless --enforce-eager
+# is passed; several servers share the GPU, each with a small KV cache.
+CPU_ARGS = ("--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4", "--enforce-eager")
+GPU_ARGS = ("--dtype", "float16", "--max-model-len", "256", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.1",
+            "--kv-cache-memory-bytes", str(256 * 2 ** 20))
+
+
 class Server:
     """`python -m vllm.entrypoints.openai.api_server` on a model directory, stopped on exit."""
 
-    def __init__(self, model: Path, *args: str, env: dict | None = None):
+    def __init__(self, model: Path, *args: str, env: dict | None = None, gpu: bool = False):
         self.port = free_port()
         self.log = open(model.parent / f"server-{self.port}.log", "w+")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
-             "--max-model-len", "128", "--max-num-seqs", "4", "--enforce-eager", "--host", "127.0.0.1",
-             "--port", str(self.port), *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+             *(GPU_ARGS if gpu else CPU_ARGS), "--host", "127.0.0.1", "--port", str(self.port), *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def __enter__(self):
         import httpx
@@ -58,20 +65,32 @@ class Server:
             self.proc.kill()
         self.log.close()
 
-    def greedy(self, model: Path) -> list[list[int]]:
+    def log_text(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def greedy(self, model: Path, prompts=PROMPTS, n: int = N, concurrent: bool = False) -> list[list[int]]:
+        """Greedy continuations of `prompts` (token ids), one request after another or all at once."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from openai import OpenAI
         client = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0)
-        out = []
-        for p in PROMPTS:
+
+        def one(p):
             # min_tokens keeps eos (t2) out as the reference's min_new_tokens does; special tokens (t0-t2) stay in
             # the text
-            r = client.completions.create(model=str(model), prompt=p, max_tokens=N, temperature=0,
-                                          extra_body={"ignore_eos": True, "min_tokens": N, "return_token_ids": True,
+            r = client.completions.create(model=str(model), prompt=p, max_tokens=n, temperature=0,
+                                          extra_body={"ignore_eos": True, "min_tokens": n, "return_token_ids": True,
                                                       "skip_special_tokens": False})
             choice = r.choices[0].model_dump()
             assert choice["text"].split() == [f"t{i}" for i in choice["token_ids"]]  # the word tokenizer
-            out.append(choice["token_ids"])
-        return out
+            return choice["token_ids"]
+
+        if not concurrent:
+            return [one(p) for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(one, prompts))
 
 
 def check_served(src: Path, dst: Path, *args: str, env: dict | None = None):

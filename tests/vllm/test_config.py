@@ -23,7 +23,7 @@ def test_entry_point_and_idempotent_registration():
 def config(modules):
     c = Exl3Config.from_config({"quant_method": "exl3", "bits": 2, "codebook": "mcg", "version": "0.1.0",
                                 "producer": {"name": "xmoe", "version": "0.1.0"}})
-    c.modules = modules
+    c.modules, c.scanned = modules, True
     c.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     return c
 

@@ -81,6 +81,9 @@ class Exl3Experts:
     def hidden(self) -> int:
         return self.gate.in_features
 
+    def to(self, device) -> "Exl3Experts":
+        return Exl3Experts(self.gate.to(device), self.up.to(device), self.down.to(device))
+
     @property
     def intermediate(self) -> int:
         return self.gate.out_features

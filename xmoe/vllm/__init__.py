@@ -9,9 +9,13 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    import vllm
     from vllm.model_executor.layers.quantization import register_quantization_config
 
+    from .compat import check_version
     from .config import Exl3Config
+
+    check_version(vllm.__version__)
 
     register_quantization_config("exl3")(Exl3Config)
     _registered = True

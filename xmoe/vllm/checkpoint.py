@@ -6,11 +6,14 @@ from safetensors import safe_open
 from ..format.layer import SUFFIXES, shard_files
 
 
-def exl3_modules(model_dir: str) -> dict[str, frozenset]:
-    """{module key: its EXL3 suffixes} for every module that has a `.trellis` tensor."""
+def exl3_modules(model_dir: str) -> dict[str, frozenset] | None:
+    """{module key: its EXL3 suffixes} for every module that has a `.trellis` tensor; None for a directory
+    without safetensors (a config for `--load-format dummy`)."""
     path = Path(model_dir)
     if not path.is_dir():
         raise ValueError(f"exl3: {model_dir!r} is not a local model directory; download it first")
+    if not any(path.glob("*.safetensors")):
+        return None
     names = set()
     for f in shard_files(path)[0]:
         with safe_open(str(path / f), framework="pt") as fh:  # reads the header only

@@ -12,6 +12,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from ..format.config import QuantConfig
 from .checkpoint import exl3_modules
+from .compat import map_name
+from .dummy import DummyExl3, is_dummy_load
 
 
 class Exl3Config(QuantizationConfig):
@@ -19,6 +21,7 @@ class Exl3Config(QuantizationConfig):
         super().__init__()
         self.qconfig = qconfig
         self.modules: dict[str, frozenset] | None = None  # filled by maybe_update_config
+        self.scanned = False
         self.mapper = None  # the model's checkpoint-to-vLLM renames, set by apply_vllm_mapper
         original = qconfig.original_quantization_config
         self.original = None
@@ -51,6 +54,7 @@ class Exl3Config(QuantizationConfig):
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None):
         self.modules = exl3_modules(model_name)
+        self.scanned = True
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         """Models that rename checkpoint tensors on load (DeepSeek-V4's native `layers.N.ffn...` becomes
@@ -58,8 +62,13 @@ class Exl3Config(QuantizationConfig):
         self.mapper = hf_to_vllm_mapper
 
     def _scanned(self) -> dict[str, frozenset]:
-        if self.modules is None:
+        if not self.scanned:
             raise RuntimeError("exl3: checkpoint not scanned (maybe_update_config was not called)")
+        if self.modules is None:  # no weights on disk: only --load-format dummy can build this model
+            if not is_dummy_load():
+                raise ValueError("exl3: the model directory holds no safetensors; only --load-format dummy "
+                                 "(random EXL3 experts) can serve it")
+            return {}
         if self.mapper is not None:  # rename once, as vLLM renames the tensors it loads
             self.modules = {renamed(self.mapper, k): v for k, v in self.modules.items()}
             self.mapper = None
@@ -82,9 +91,12 @@ class Exl3Config(QuantizationConfig):
         backend = kernel_backend(current_platform)
 
         if isinstance(layer, RoutedExperts):
+            dummy = DummyExl3.of(self.qconfig) if is_dummy_load() else None
             suffixes = next((s for k, s in self._scanned().items() if k.startswith(prefix + ".")), None)
+            if suffixes is None and dummy is not None and self.modules is None:
+                suffixes = dummy.suffixes  # no checkpoint: every routed-expert layer is EXL3
             if suffixes is not None:
-                return Exl3MoEMethod(layer.moe_config, suffixes, prefix, backend)
+                return Exl3MoEMethod(layer.moe_config, suffixes, prefix, backend, dummy)
             return self.original.get_quant_method(layer, prefix) if self.original \
                 else UnquantizedFusedMoEMethod(layer.moe_config)
         if isinstance(layer, LinearBase):
@@ -100,7 +112,7 @@ class Exl3Config(QuantizationConfig):
 
 def renamed(mapper, key: str) -> str:
     """A checkpoint module key under the model's renames (mapped as its `.trellis` tensor is on load)."""
-    name = mapper.map_name(f"{key}.trellis")
+    name = map_name(mapper, f"{key}.trellis")
     return key if name is None else name.removesuffix(".trellis")
 
 

@@ -25,6 +25,7 @@ class Exl3LinearMethod(LinearMethodBase):
                        params_dtype, **extra_weight_attrs):
         layer._exl3 = {}
         layer._exl3_shape = (input_size_per_partition, list(output_partition_sizes), input_size, params_dtype)
+        layer._exl3_device = torch.empty(0).device  # vLLM builds the model under its target device
         for suffix in sorted(self.suffixes):
             layer.register_parameter(suffix, collector(layer, suffix, experts=False))
 
@@ -35,7 +36,7 @@ class Exl3LinearMethod(LinearMethodBase):
         row_parallel = isinstance(layer, RowParallelLinear)
         if self.backend == "triton":
             layer._weights = [self._slice(layer._exl3[key], row_parallel, rank, in_part, in_full, out)
-                              for key, out in zip(shards, out_parts)]
+                              .to(layer._exl3_device) for key, out in zip(shards, out_parts)]
             layer._slices = self._merge(layer._weights)
             if layer._slices is not None:
                 layer._weights = None

@@ -2,6 +2,9 @@
 they are either kept as EXL3, stacked per projection, for the fused Triton kernel (GPUs), or decoded to the
 compute dtype and run as a plain torch loop (the CPU: memory of a dense model, the routed experts included).
 """
+import types
+from collections.abc import Iterable
+
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.utils import set_weight_attrs
@@ -38,11 +41,12 @@ def collector(layer: torch.nn.Module, suffix: str, experts: bool) -> torch.nn.Pa
 
 
 class Exl3MoEMethod(FusedMoEMethodBase):
-    def __init__(self, moe, suffixes: frozenset, prefix: str, backend: str):
+    def __init__(self, moe, suffixes: frozenset, prefix: str, backend: str, dummy=None):
         super().__init__(moe)
         self.suffixes = suffixes  # the stored tensors of each expert projection (trellis, suh, svh, marker)
         self.prefix = prefix
         self.backend = backend  # "triton": keep EXL3 and run the fused kernel; "torch": decode at load
+        self.dummy = dummy  # a `DummyExl3` under --load-format dummy: random EXL3 experts, no checkpoint
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                        **extra_weight_attrs):
@@ -52,9 +56,13 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                                       "layer are not supported; serve without shared-expert fusion")
         layer._exl3 = {}
         layer._exl3_shape = (num_experts, hidden_size, intermediate_size_per_partition, params_dtype)
+        layer._exl3_device = torch.empty(0).device  # vLLM builds the model under its target device
         for proj in ("w13", "w2"):
             for suffix in sorted(self.suffixes):
                 layer.register_parameter(f"{proj}_{suffix}", collector(layer, suffix, experts=True))
+        # vLLM 0.26's generic loader takes every 3-D tensor for a packed [E, N, K] one, trellis included;
+        # this layer's own loader matches each tensor to its expert by name on every release.
+        layer.load_weights = types.MethodType(load_named_experts, layer)
 
     def _tensors(self, layer, shard: str, e: int) -> dict:
         t = layer._exl3.get((shard, e))
@@ -78,11 +86,18 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         return Exl3Experts(*(Exl3Weight.stack(proj[s], f"{self.prefix} {SHARD[s]}") for s in ("w1", "w3", "w2")))
 
     def process_weights_after_loading(self, layer) -> None:
+        E, H, I, dtype = layer._exl3_shape
+        if not layer._exl3 and self.dummy is not None:  # --load-format dummy: nothing was delivered
+            if self.backend == "triton":
+                layer._experts = self.dummy.experts(E, H, I, layer._exl3_device)
+                self._drop_collectors(layer)
+                return
+            full = self.dummy.experts(E, H, I * self.moe.tp_size, "cpu")
+            layer._exl3 = {(s, e): getattr(full, SHARD[s]).tensors(e) for s in SHARD for e in range(E)}
         if self.backend == "triton":
-            layer._experts = self._stack(layer)
+            layer._experts = self._stack(layer).to(layer._exl3_device)
             self._drop_collectors(layer)
             return
-        E, H, I, dtype = layer._exl3_shape
         rank = self.moe.tp_rank
         rows = slice(rank * I, (rank + 1) * I)  # this rank's part of the intermediate dimension
         w13 = torch.empty(E, 2 * I, H, dtype=dtype)
@@ -123,3 +138,19 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             y = activation_ref(gate, up, limit) @ layer.w2_weight[e].T
             out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
         return out.to(x.dtype)
+
+
+def load_named_experts(layer, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[str]:
+    """`RoutedExperts.load_weights` for per-expert EXL3 tensors (`experts.{id}.{proj}.{suffix}`): each goes
+    to its expert and shard through the parameter's loader, whatever its rank."""
+    mapping = layer.get_expert_mapping()
+    for name, tensor in weights:
+        qualified = f"{layer.layer_name}.{name}"
+        for param_name, weight_name, expert_id, shard_id in mapping:
+            if weight_name not in qualified:
+                continue
+            param_name = qualified.replace(weight_name, param_name).removeprefix(f"{layer.layer_name}.")
+            param = getattr(layer, param_name)
+            if param.weight_loader(param, tensor, name, shard_id=shard_id, expert_id=expert_id, return_success=True):
+                yield param_name
+            break

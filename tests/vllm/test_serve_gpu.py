@@ -1,0 +1,63 @@
+"""vLLM's OpenAI server on a GPU, with the plugin and xmoe's kernels: tiny EXL3 checkpoints made by
+`xmoe quantize` on the GPU, served with CUDA graphs (and once eagerly). Greedy output must equal a
+transformers forward pass on the weights the checkpoint decodes to, token for token, for 64 tokens, one
+request at a time and all at once. The CPU counterparts are test_serve_exl3.py (vLLM's CPU backend, and the
+same kernels under the Triton interpreter)."""
+import pytest
+import torch
+from serving import Server
+
+from checkpoints import SERVE_BASE, save_exl3_dense, save_hf, save_word_tokenizer  # noqa: I001 (on sys.path via serving)
+from reference import reference_tokens
+from xmoe.quant.convert import convert
+from xmoe.quant.plan import ConvertOptions
+
+pytestmark = pytest.mark.gpu
+N = 64
+PROMPTS = [[1, 5, 9, 13, 17], [3, 4, 5], [200, 100, 50, 25], [7] * 11, [42, 43]]
+
+
+@pytest.fixture(autouse=True)
+def _gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+
+
+def quantized(arch: str, tmp_path, bits: float = 3, base: dict = SERVE_BASE):
+    src = save_hf(arch, tmp_path / "src", base=base)
+    dst = tmp_path / "dst"
+    convert(src, dst, ConvertOptions(bits=bits, encoder="viterbi"), ["cuda:0"])
+    save_word_tokenizer(dst, base["vocab_size"])
+    return src, dst
+
+
+def check(src, dst, *args: str):
+    want = reference_tokens(src, dst, PROMPTS, N)
+    with Server(dst, *args, gpu=True) as server:
+        one_by_one = server.greedy(dst, PROMPTS, N)
+        together = server.greedy(dst, PROMPTS, N, concurrent=True)
+        log = server.log_text()
+    assert "exl3" in log and "Traceback" not in log
+    assert one_by_one == want
+    assert together == want
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_qwen3_moe(tmp_path, eager):
+    src, dst = quantized("qwen3_moe", tmp_path)
+    check(src, dst, *(["--enforce-eager"] if eager else []))
+
+
+def test_deepseek_v3(tmp_path):
+    """MLA attention, a dense first layer, a shared expert beside the EXL3 routed experts."""
+    src, dst = quantized("deepseek_v3", tmp_path, bits=4)
+    check(src, dst)
+
+
+def test_dense_llama_all_linears(tmp_path):
+    """Every linear EXL3: q, k, v and gate, up as column slices of one launch, o and down on their own."""
+    base = dict(SERVE_BASE, hidden_size=256, intermediate_size=256)
+    src = save_hf("llama", tmp_path / "src", base=base)
+    dst = save_exl3_dense(src, tmp_path / "dst", K=4)
+    save_word_tokenizer(dst, base["vocab_size"])
+    check(src, dst)
