@@ -111,3 +111,11 @@ def test_auto_without_a_call_answers_in_text(chat):
     r = chat([{"role": "user", "content": "Say hello."}], [WEATHER], "auto", max_tokens=16)
     message = r.choices[0].message
     assert not message.tool_calls and message.content and "<tool_call>" not in message.content
+
+
+def test_a_schema_no_value_satisfies_is_a_400_and_the_server_stays_up(chat):
+    never = tool("count", "Count", {"type": "object", "required": ["n"],
+                                    "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}})
+    with pytest.raises(openai.BadRequestError):
+        chat(PARIS, [never], "required")
+    assert chat(PARIS, [WEATHER], named("get_weather")).choices[0].message.tool_calls
