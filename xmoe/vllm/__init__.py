@@ -1,4 +1,5 @@
-"""The vLLM plugin: registers the `exl3` quantization method (entry point `vllm.general_plugins`).
+"""The vLLM plugin: registers the `exl3` quantization method (entry point `vllm.general_plugins`), and in the
+OpenAI server's process makes calls of tools without parameters return `{}` (see tools.py).
 
 vLLM runs the hook in every one of its processes, so registration is idempotent.
 """
@@ -7,6 +8,9 @@ _registered = False
 
 def register() -> None:
     global _registered
+    from .tools import patch_tool_arguments
+
+    patch_tool_arguments()  # idempotent; each call looks again whether the server has loaded vLLM's tool grammars
     if _registered:
         return
     import vllm
