@@ -23,6 +23,22 @@ def test_parallel_keeps_order():
     assert out == [0, 1, 4, 9, 16]
 
 
+def test_parallel_stops_at_its_time_limit(monkeypatch):
+    """No item starts that the median item so far would carry past the deadline; those give None."""
+    clock = [0.0]
+    monkeypatch.setattr(report.time, "monotonic", lambda: clock[0])
+
+    def item(x):
+        clock[0] += 10.0
+        return x
+    stop = report.Stop(deadline=25.0)
+    assert report.parallel(item, range(5), 1, "t", stop) == [0, 1, None, None, None]
+    assert stop.reason == "time limit"
+    assert report.shortfall(stop.reason, 2, 5, "problems", 25) == [
+        "2 of 5 problems scored: the 25 s time limit was reached (--time-limit 0 runs them all)"]
+    assert report.shortfall(None, 5, 5, "problems", 25) == []
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     from xmoe.cli import main
     assert main(["bench", "speed", "--short", "50", "--long", "20"]) == 2

@@ -17,48 +17,52 @@ def _client(args):
 
 
 def _speed(args) -> int:
-    from .speed import SpeedOptions, plot, run
+    from .speed import SpeedOptions, plot, run, tables
     opts = SpeedOptions(args.long, args.short, args.prompt_tokens, tuple(args.prefill), tuple(args.concurrency),
                         args.repeats, args.text)
     result = run(_client(args), opts)
-    rows = [{"streams": d["streams"], "decode tok/s per stream": d["stream_tok_s"],
-             "aggregate tok/s": d["aggregate_tok_s"], "tokens short/long": f"{d['short_tokens']:g}/{d['long_tokens']:g}",
-             "seconds short/long": f"{d['short_s']:.2f}/{d['long_s']:.2f}"} for d in result["decode"]]
-    prefill = [{"streams": p["streams"], "prompt tokens per stream": p["prompt_tokens"], "seconds": p["seconds"],
-                "prefill tok/s (aggregate)": p["prefill_tok_s"]} for p in result["prefill"]]
+    decode, prefill, notes = tables(result)
     forced = "" if result["forced"] else " (lengths NOT forced: the server refused min_tokens/ignore_eos)"
-    report.emit(f"decode speed of {result['model']}{forced}", rows, result, args.json,
-                more=(("prefill (prefix cache bypassed)", prefill),) if prefill else ())
+    context = f", context {result['context']} tokens" if result["context"] else ""
+    report.emit(f"decode speed of {result['model']}{context}{forced}", decode, result, args.json,
+                more=(("prefill (prefix cache bypassed)", prefill),) if prefill else (), notes=notes)
     if args.plot:
         plot(result, args.plot)
         print(f"plot: {args.plot}")
-    return 0
+    return 0 if any(not r["error"] for r in result["decode"] + result["prefill"]) else 1
 
 
 def _needle(args) -> int:
-    from .needle import NeedleOptions, run
+    from .needle import NeedleOptions, rows, run
     opts = NeedleOptions(args.context, tuple(args.depths), args.trials, args.max_tokens, args.concurrency, args.text)
     result = run(_client(args), opts)
-    report.emit(f"needle in {result['text']} at {result['context']} tokens: pass rate {result['pass_rate']:.0%}",
-                result["depths"], result, args.json)
-    return 0
+    table, notes = rows(result)
+    failed = len(result["items"]) - result["answered"]
+    score = (f"pass rate {result['pass_rate']:.0%} of {result['answered']} answered" if result["answered"]
+             else "no request answered")
+    report.emit(f"needle in {result['text']} at {result['context']} tokens: {score}"
+                f"{f', {failed} failed (reasons below)' if failed else ''}", table, result, args.json, notes=notes)
+    return 0 if result["answered"] else 1
 
 
 def _toolcall(args) -> int:
-    from .toolcall import ToolcallOptions, run
-    opts = ToolcallOptions(tuple(args.categories), args.n, args.max_tokens, args.concurrency, args.tool_choice)
+    from .toolcall import ToolcallOptions, rows, run
+    opts = ToolcallOptions(tuple(args.categories), args.n, args.max_tokens, args.concurrency, args.tool_choice,
+                           args.time_limit)
     result = run(_client(args), opts)
-    rows = [{k: c[k] for k in ("category", "n", "passed", "accuracy", "no_call", "errors")}
-            for c in result["categories"]]
-    report.emit(f"tool calls of {result['model']} (BFCL v4)", rows, result, args.json)
+    table, notes = rows(result)
+    report.emit(f"tool calls of {result['model']} (BFCL v4, tool_choice {opts.tool_choice})", table, result,
+                args.json, notes=notes)
     return 0
 
 
 def _gsm8k(args) -> int:
     from .gsm8k import Gsm8kOptions, rows, run
     other = _endpoint(args, args.other_url, args.other_model) if args.other_url else None
-    result = run(_client(args), Gsm8kOptions(args.n, args.max_tokens, args.concurrency, args.data), other)
-    report.emit("GSM8K", rows(result), result, args.json)
+    result = run(_client(args), Gsm8kOptions(args.n, args.max_tokens, args.concurrency, args.data, args.time_limit),
+                 other)
+    table, notes = rows(result)
+    report.emit("GSM8K", table, result, args.json, notes=notes)
     return 0
 
 
@@ -66,10 +70,17 @@ def _humaneval(args) -> int:
     from .humaneval import HumanEvalOptions, run
     from .sandbox import Limits
     limits = Limits(args.timeout_per_problem, args.memory_mb << 20)
-    result = run(_client(args), HumanEvalOptions(args.n, args.mode, args.max_tokens, args.concurrency, limits))
+    result = run(_client(args), HumanEvalOptions(args.n, args.mode, args.max_tokens, args.concurrency, limits,
+                                                 args.time_limit))
+    why = report.Reasons()
+    statuses = dict(result["statuses"])
+    if "request error" in statuses:         # the count, and the server's reasons below the table
+        statuses["request error"] = why.cell(i["detail"] if i["status"] == "request error" else None
+                                             for i in result["items"])
     rows = [{"model": result["model"], "mode": result["mode"], "n": result["n"], "passed": result["passed"],
-             "pass@1": result["pass@1"], **result["statuses"]}]
-    report.emit("HumanEval", rows, result, args.json)
+             "pass@1": result["pass@1"], **statuses}]
+    notes = report.shortfall(result["stopped"], result["n"], result["asked"], "problems", result["time_limit"])
+    report.emit("HumanEval", rows, result, args.json, notes=[*notes, *why.lines()])
     return 0
 
 
@@ -80,7 +91,10 @@ def _replay(args) -> int:
     result = run(_client(args), opts)
     cols = ["sessions", "seconds", "requests", "errors", "prompt_tokens", "completion_tokens", "prefix_hit_share",
             "preemptions", "stream_tok_s_median", "aggregate_tok_s"]
-    report.emit(f"replay against {result['model']}", [result], result, args.json, cols)
+    why = report.Reasons()
+    row = {**result, "errors": why.cell(k for k, n in result["error_kinds"].items() for _ in range(n))}
+    report.emit(f"replay against {result['model']}", [row], result, args.json, cols,
+                notes=[*result["notes"], *why.lines()])
     return 0
 
 
@@ -116,6 +130,12 @@ def _common(p: argparse.ArgumentParser, concurrency: int | None = None):
         p.add_argument("--concurrency", type=int, default=concurrency, help="requests in flight")
 
 
+def _time_limit(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--time-limit", type=float, default=300.0, metavar="SECONDS",
+                   help=f"start no more {what} after this, so that a slow server (a CPU) still gives a table in "
+                        f"minutes; the table says how many were scored (0: no limit; default %(default)g)")
+
+
 def add_bench(sub) -> None:
     b = sub.add_parser("bench", help="speed, smoke and quality probes against an OpenAI-compatible server")
     tools = b.add_subparsers(dest="tool", required=True)
@@ -126,13 +146,15 @@ def add_bench(sub) -> None:
 def _load_parsers(tools) -> None:
     s = tools.add_parser("speed", help="decode and prefill tokens/s, 1 and N streams")
     _common(s)
-    s.add_argument("--long", type=int, default=400)
-    s.add_argument("--short", type=int, default=16)
+    s.add_argument("--long", type=int, help="tokens of the long reply (default: about 8 s of decoding at the "
+                                             "speed one stream gets, 64 to 400)")
+    s.add_argument("--short", type=int, default=16, help="tokens of the short reply")
     s.add_argument("--prompt-tokens", type=int, default=256, help="prompt length of the decode measurement")
     s.add_argument("--prefill", type=int, nargs="*", default=[2048], help="prompt lengths for prefill tok/s")
     s.add_argument("--concurrency", type=int, nargs="+", default=[1, 4],
                    help="stream counts to measure (decode and prefill)")
-    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--repeats", type=int, default=3,
+                   help="runs per step, the median reported (fewer once a step has run 20 s)")
     s.add_argument("--text", help="text file for prompts (default: the KJV or the license texts)")
     s.add_argument("--plot", metavar="PNG", help="plot the sweep (needs matplotlib)")
     s.set_defaults(func=_speed)
@@ -166,6 +188,7 @@ def _task_parsers(tools) -> None:
     t.add_argument("--max-tokens", type=int, default=256)
     t.add_argument("--tool-choice", choices=["auto", "required"], default="auto",
                    help="required: the server must constrain the reply to a call (vLLM: guided decoding)")
+    _time_limit(t, "items")
     t.set_defaults(func=_toolcall)
 
     g = tools.add_parser("gsm8k", help="GSM8K accuracy, and agreement with a second endpoint")
@@ -175,6 +198,7 @@ def _task_parsers(tools) -> None:
     g.add_argument("--data", help="GSM8K test.jsonl (default: cached copy, fetched once from GitHub)")
     g.add_argument("--other-url", help="second endpoint to compare answers with (e.g. the unquantized model)")
     g.add_argument("--other-model", help="model name at --other-url (default: its first)")
+    _time_limit(g, "problems")
     g.set_defaults(func=_gsm8k)
 
     h = tools.add_parser("humaneval", help="HumanEval pass@1, completions run in a sandboxed subprocess")
@@ -184,6 +208,7 @@ def _task_parsers(tools) -> None:
     h.add_argument("--max-tokens", type=int, default=512)
     h.add_argument("--timeout-per-problem", type=float, default=10.0, help="seconds per sandboxed run")
     h.add_argument("--memory-mb", type=int, default=1024, help="address-space limit of a sandboxed run")
+    _time_limit(h, "problems")
     h.set_defaults(func=_humaneval)
 
 

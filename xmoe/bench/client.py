@@ -8,7 +8,12 @@ import httpx
 
 
 class RequestError(OSError):
-    """A request that failed: connection refused, timeout, or an HTTP error status (the message says which)."""
+    """A request that failed: connection refused, timeout, or an HTTP error status (the message says which;
+    `status` holds the HTTP status when there was one)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class _NoResponse(Exception):
@@ -53,6 +58,8 @@ class Client:
         self.http = httpx.Client(headers=headers, timeout=endpoint.timeout,
                                  limits=httpx.Limits(max_connections=256, max_keepalive_connections=64,
                                                      keepalive_expiry=2.0))
+        self._cards: list[dict] | None = None
+        self._tokenize = True                   # until the server shows it has no /tokenize route
         self.model = endpoint.model or self.models()[0]
 
     def _request(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
@@ -65,14 +72,48 @@ class Client:
         except httpx.HTTPError as e:
             raise RequestError(f"{url}: {type(e).__name__}: {e}") from e
         if r.status_code >= 400:
-            raise RequestError(f"{url}: HTTP {r.status_code}: {_message(r)}")
+            raise RequestError(f"{url}: HTTP {r.status_code}: {_message(r)}", r.status_code)
         return r
 
+    def cards(self) -> list[dict]:
+        """The entries of /v1/models (fetched once)."""
+        if self._cards is None:
+            cards = [m for m in self._request("GET", "/v1/models").json().get("data", []) if m.get("id")]
+            if not cards:
+                raise RequestError(f"{self.base}/v1/models: the server lists no model")
+            self._cards = cards
+        return self._cards
+
     def models(self) -> list[str]:
-        ids = [m["id"] for m in self._request("GET", "/v1/models").json().get("data", [])]
-        if not ids:
-            raise RequestError(f"{self.base}/v1/models: the server lists no model")
-        return ids
+        return [m["id"] for m in self.cards()]
+
+    def context_length(self) -> int | None:
+        """The served model's context length in tokens, prompt and reply together, where the server states it
+        (vLLM: `max_model_len` in /v1/models); None where it does not."""
+        for m in self.cards():
+            n = m.get("max_model_len")
+            if m["id"] == self.model and isinstance(n, int) and n > 0:
+                return n
+        return None
+
+    def count_tokens(self, messages: list[dict]) -> int | None:
+        """Prompt tokens of a chat request as the server counts them, chat template included (vLLM's
+        /tokenize: no generation, no cache entry); None where the server has no such route."""
+        if not self._tokenize:
+            return None
+        try:
+            r = self._request("POST", "/tokenize", {"model": self.model, "messages": messages})
+            count = r.json().get("count")
+        except RequestError as e:
+            if e.status not in (400, 404, 405, 422, 501):    # a missing route, or one that wants another body
+                raise
+            count = None
+        except ValueError:                      # a page that is not JSON: no such route either
+            count = None
+        if not isinstance(count, int):
+            self._tokenize = False
+            return None
+        return count
 
     def metrics(self) -> str:
         """The Prometheus text page at /metrics (vLLM exports one; other servers may not)."""
@@ -80,11 +121,11 @@ class Client:
 
     def chat(self, messages: list[dict], max_tokens: int, **params) -> dict:
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **params}
-        return self._request("POST", "/v1/chat/completions", body).json()
+        return _completion(self._request("POST", "/v1/chat/completions", body))
 
     def complete(self, prompt, max_tokens: int, **params) -> dict:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **params}
-        return self._request("POST", "/v1/completions", body).json()
+        return _completion(self._request("POST", "/v1/completions", body))
 
     def stream_chat(self, messages: list[dict], max_tokens: int, **params) -> StreamResult:
         try:
@@ -106,7 +147,7 @@ class Client:
                 answered = True
                 if r.status_code >= 400:
                     r.read()
-                    raise RequestError(f"{url}: HTTP {r.status_code}: {_message(r)}")
+                    raise RequestError(f"{url}: HTTP {r.status_code}: {_message(r)}", r.status_code)
                 for chunk in _events(r, url):
                     usage = chunk.get("usage") or usage
                     for c in chunk.get("choices", []):
@@ -138,6 +179,18 @@ def _events(r: httpx.Response, url: str):
         if "error" in chunk:
             raise RequestError(f"{url}: error in stream: {_text(chunk['error'])}")
         yield chunk
+
+
+def _completion(r: httpx.Response) -> dict:
+    """A completion's JSON, checked for the choices every caller reads: a malformed reply fails that request
+    alone, as an HTTP error does."""
+    try:
+        body = r.json()
+    except ValueError:
+        raise RequestError(f"{r.request.url}: the reply is not JSON: {r.text[:200]!r}") from None
+    if not isinstance(body, dict) or not body.get("choices"):
+        raise RequestError(f"{r.request.url}: a reply without choices: {str(body)[:200]}")
+    return body
 
 
 def _message(r: httpx.Response) -> str:

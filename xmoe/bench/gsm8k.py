@@ -1,11 +1,12 @@
 """`xmoe bench gsm8k`: grade-school math, greedy, answers in the "#### N" format. Accuracy against the data's
 answers and, when a second endpoint is given (e.g. the unquantized model), agreement with its answers."""
 import re
+import time
 from dataclasses import dataclass
 
 from .client import Client, RequestError
 from .data import gsm8k
-from .report import parallel
+from .report import Reasons, Stop, parallel, shortfall
 
 PROMPT = ("Solve this math problem step by step. End your reply with a line of the form '#### N' where N is "
           "the final numeric answer.\n\n{question}")
@@ -19,10 +20,11 @@ class Gsm8kOptions:
     max_tokens: int = 512
     concurrency: int = 8
     data: str | None = None     # path to test.jsonl; None: the cached copy
+    time_limit: float = 300.0   # seconds after which no problem is started (0: none); see `run`
 
     def __post_init__(self):
-        if self.n < 1:
-            raise ValueError(f"gsm8k: --n must be at least 1, got {self.n}")
+        if self.n < 1 or self.time_limit < 0:
+            raise ValueError(f"gsm8k: need --n >= 1 and --time-limit >= 0, got {self.n} and {self.time_limit}")
 
 
 def normalize(number: str) -> str:
@@ -53,19 +55,27 @@ def ask(client: Client, question: str, opts: Gsm8kOptions) -> dict:
 
 
 def run(client: Client, opts: Gsm8kOptions, other: Client | None = None) -> dict:
+    """The first `n` problems, as many as the time limit allows (a slow server scores fewer rather than run
+    for hours; `stopped` says so); a second endpoint answers the same problems."""
     problems = gsm8k(opts.data)[: opts.n]
+    stop = Stop(time.monotonic() + opts.time_limit if opts.time_limit else None)
+    got = parallel(lambda p: ask(client, p["question"], opts), problems, opts.concurrency, "gsm8k", stop)
+    kept = [i for i, g in enumerate(got) if g is not None]
+    problems, got = [problems[i] for i in kept], [got[i] for i in kept]
     truth = [extract(p["answer"]) for p in problems]
-    got = parallel(lambda p: ask(client, p["question"], opts), problems, opts.concurrency, "gsm8k")
-    result = {"model": client.model, "endpoint": client.base, "n": len(problems), **score(truth, got)}
+    result = {"model": client.model, "endpoint": client.base, "n": len(problems), "asked": opts.n,
+              "stopped": stop.reason, "time_limit": opts.time_limit, **score(truth, got)}
+    ref = [None] * len(got)
     if other is not None:
         ref = parallel(lambda p: ask(other, p["question"], opts), problems, opts.concurrency, "gsm8k (other)")
+        if None in ref:                     # interrupted: compare the problems both answered
+            kept = [i for i, r in enumerate(ref) if r is not None]
+            problems, truth, got, ref = ([xs[i] for i in kept] for xs in (problems, truth, got, ref))
+            result.update(n=len(problems), stopped="interrupted", **score(truth, got))
         result.update(other_model=other.model, other_endpoint=other.base, other=score(truth, ref),
                       **agreement(got, ref))
-        ref_by_item = ref
-    else:
-        ref_by_item = [None] * len(got)
     result["items"] = [{"question": p["question"], "truth": t, **g, "other": o}
-                       for p, t, g, o in zip(problems, truth, got, ref_by_item)]
+                       for p, t, g, o in zip(problems, truth, got, ref)]
     return result
 
 
@@ -83,13 +93,17 @@ def agreement(got: list[dict], ref: list[dict]) -> dict:
             "text_agreement": sum(a["reply"] is not None and a["reply"] == b["reply"] for a, b in zip(got, ref)) / n}
 
 
-def rows(result: dict) -> list[dict]:
+def rows(result: dict) -> tuple[list[dict], list[str]]:
+    """(a row per endpoint, notes) for the printout; failed requests are counted with their reasons."""
+    why = Reasons()
     out = [{"endpoint": result["endpoint"], "model": result["model"], "n": result["n"], "accuracy": result["accuracy"],
-            "no answer": result["no_answer"], "errors": result["errors"]}]
+            "no answer": result["no_answer"], "failed": why.cell(i["error"] for i in result["items"])}]
     if "other" in result:
         o = result["other"]
-        out.append({"endpoint": result["other_endpoint"], "model": result["other_model"], "n": result["n"], "accuracy": o["accuracy"],
-                    "no answer": o["no_answer"], "errors": o["errors"]})
+        out.append({"endpoint": result["other_endpoint"], "model": result["other_model"], "n": result["n"],
+                    "accuracy": o["accuracy"], "no answer": o["no_answer"],
+                    "failed": why.cell(i["other"]["error"] for i in result["items"])})
         for r in out:
             r.update({"answer agreement": result["answer_agreement"], "text agreement": result["text_agreement"]})
-    return out
+    return out, [*shortfall(result["stopped"], result["n"], result["asked"], "problems", result["time_limit"]),
+                 *why.lines()]

@@ -4,11 +4,12 @@ each, run against the problem's tests in the sandbox; pass@1.
 `--mode chat` (default) asks for the whole function in a ```python block; `--mode completion` sends the raw
 prompt to /v1/completions and stops at the next top-level statement, as base models are evaluated."""
 import re
+import time
 from dataclasses import dataclass
 
 from .client import Client, RequestError
 from .data import human_eval_problems
-from .report import parallel
+from .report import Stop, parallel
 from .sandbox import Limits, run_python
 
 ASK = ("Complete the following Python function. Reply with the complete function, including the signature, "
@@ -24,10 +25,13 @@ class HumanEvalOptions:
     max_tokens: int = 512
     concurrency: int = 4        # requests in flight; sandboxed runs use the same number of processes
     limits: Limits = Limits()
+    time_limit: float = 300.0   # seconds after which no problem is started (0: none)
 
     def __post_init__(self):
         if self.mode not in ("chat", "completion"):
             raise ValueError(f"mode must be 'chat' or 'completion', not {self.mode!r}")
+        if self.time_limit < 0:
+            raise ValueError(f"humaneval: --time-limit must be >= 0, got {self.time_limit}")
 
 
 def code_from_reply(reply: str) -> str:
@@ -68,9 +72,11 @@ def run(client: Client, opts: HumanEvalOptions) -> dict:
         return {"task_id": p["task_id"], "passed": out.passed, "status": out.status, "detail": out.detail,
                 "completion": code}
 
-    items = parallel(solve, problems, opts.concurrency, "humaneval")
+    stop = Stop(time.monotonic() + opts.time_limit if opts.time_limit else None)
+    items = [i for i in parallel(solve, problems, opts.concurrency, "humaneval", stop) if i is not None]
     statuses = {}
     for it in items:
         statuses[it["status"]] = statuses.get(it["status"], 0) + 1
-    return {"model": client.model, "mode": opts.mode, "n": len(items), "passed": sum(i["passed"] for i in items),
+    return {"model": client.model, "mode": opts.mode, "n": len(items), "asked": len(problems),
+            "stopped": stop.reason, "time_limit": opts.time_limit, "passed": sum(i["passed"] for i in items),
             "pass@1": sum(i["passed"] for i in items) / max(len(items), 1), "statuses": statuses, "items": items}

@@ -1,11 +1,13 @@
 """`xmoe bench needle`: a synthetic fact ("The secret code is 48151623.") hidden at a given depth of a long
-public-domain text cut to a given context length; the reply passes when it contains the code."""
+public-domain text cut to a given context length; the reply passes when it contains the code. Each prompt is
+cut to the length the server counts, just under the context asked for, and that fits the server's context."""
 import random
 from dataclasses import dataclass
 
 from .client import Client, RequestError
-from .report import parallel
-from .texts import chars_per_token, long_text
+from .fit import Counter, chars_per_token, fit
+from .report import Reasons, Stop, parallel
+from .texts import long_text
 
 NEEDLE = "The secret code is {code}."
 QUESTION = "What is the secret code mentioned in the text above? Reply with the number only."
@@ -13,7 +15,7 @@ QUESTION = "What is the secret code mentioned in the text above? Reply with the 
 
 @dataclass(frozen=True)
 class NeedleOptions:
-    context: int = 4096                                    # target prompt length in tokens
+    context: int = 4096                                    # target prompt length in tokens (at most)
     depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     trials: int = 2                                        # per depth, each with its own code and text window
     max_tokens: int = 24
@@ -40,33 +42,70 @@ def hide(text: str, start: int, length: int, depth: float, needle: str) -> str:
     return f"{body[:at].rstrip()} {needle} {body[at:].lstrip()}".strip()
 
 
+def fit_context(opts: NeedleOptions, server: int | None) -> tuple[int, list[str]]:
+    """(prompt tokens to aim at, notes): the length asked for, cut where the server's context must also hold
+    the reply."""
+    if server is None:
+        return opts.context, [f"the server does not state its context length: prompts of {opts.context} tokens "
+                              f"as asked"]
+    room = server - opts.max_tokens
+    if room < 64:
+        raise ValueError(f"needle: the server's context of {server} tokens leaves no room for a haystack beside "
+                         f"a {opts.max_tokens}-token reply")
+    if opts.context <= room:
+        return opts.context, []
+    return room, [f"prompts of {room} tokens, not {opts.context}: the server's context is {server} tokens and "
+                  f"the reply needs {opts.max_tokens}"]
+
+
 def run(client: Client, opts: NeedleOptions) -> dict:
     text, source = long_text(opts.text)
-    cpt, overhead = chars_per_token(client, text, messages)
-    budget = opts.context - overhead - 16                  # the needle sentence
-    length = int(budget * cpt * 0.97)                       # a margin: token density varies along the text
+    context, notes = fit_context(opts, client.context_length())
+    count = Counter(client)
+    cpt = chars_per_token(count, text, messages)
     rng = random.Random(opts.seed)
     trials = [{"depth": d, "code": str(rng.randrange(10_000_000, 99_999_999)), "start": rng.randrange(len(text))}
               for d in opts.depths for _ in range(opts.trials)]
 
     def probe(t: dict) -> dict:
-        prompt = hide(text, t["start"], length, t["depth"], NEEDLE.format(code=t["code"]))
+        needle = NEEDLE.format(code=t["code"])
         try:
-            r = client.chat(messages(prompt), opts.max_tokens)
-        except RequestError as e:
+            prompt = fit(lambda n: messages(hide(text, t["start"], n, t["depth"], needle)), context, count, cpt)
+            r = client.chat(prompt.messages, opts.max_tokens)
+        except (RequestError, ValueError) as e:
             return {**t, "passed": False, "reply": None, "prompt_tokens": None, "error": str(e)}
         reply = r["choices"][0]["message"].get("content") or ""
         return {**t, "passed": t["code"] in reply, "reply": reply, "prompt_tokens": r["usage"]["prompt_tokens"],
                 "error": None}
 
-    items = parallel(probe, trials, opts.concurrency, f"needle @ {opts.context} tokens")
-    per_depth = []
-    for d in opts.depths:
-        mine = [i for i in items if i["depth"] == d]
-        tokens = [i["prompt_tokens"] for i in mine if i["prompt_tokens"]]
-        per_depth.append({"depth": d, "trials": len(mine), "passed": sum(i["passed"] for i in mine),
-                          "pass_rate": sum(i["passed"] for i in mine) / len(mine),
-                          "prompt_tokens": round(sum(tokens) / len(tokens)) if tokens else None,
-                          "errors": sum(bool(i["error"]) for i in mine)})
-    return {"model": client.model, "context": opts.context, "text": source, "chars_per_token": cpt,
-            "pass_rate": sum(i["passed"] for i in items) / len(items), "depths": per_depth, "items": items}
+    stop = Stop()
+    items = [i for i in parallel(probe, trials, opts.concurrency, f"needle @ {context} tokens", stop) if i]
+    notes += [f"interrupted: {len(items)} of {len(trials)} trials run"] if stop.reason else []
+    answered = [i for i in items if not i["error"]]
+    return {"model": client.model, "context": context, "asked": opts.context, "notes": notes, "text": source,
+            "counted_by": count.method, "chars_per_token": cpt, "answered": len(answered),
+            "pass_rate": sum(i["passed"] for i in answered) / len(answered) if answered else None,
+            "depths": [depth_row(d, [i for i in items if i["depth"] == d]) for d in opts.depths], "items": items}
+
+
+def depth_row(depth: float, items: list[dict]) -> dict:
+    """Trials at one depth; the pass rate is over those the server answered (failures are counted apart)."""
+    tokens = [i["prompt_tokens"] for i in items if i["prompt_tokens"]]
+    answered = [i for i in items if not i["error"]]
+    return {"depth": depth, "trials": len(items), "passed": sum(i["passed"] for i in items),
+            "pass_rate": sum(i["passed"] for i in answered) / len(answered) if answered else None,
+            "prompt_tokens": round(sum(tokens) / len(tokens)) if tokens else None,
+            "prompt_tokens_min": min(tokens, default=None), "prompt_tokens_max": max(tokens, default=None),
+            "errors": len(items) - len(answered)}
+
+
+def rows(result: dict) -> tuple[list[dict], list[str]]:
+    """(rows per depth, notes) for the printout; failed requests are counted with their reasons."""
+    why = Reasons()
+    out = []
+    for d in result["depths"]:
+        lo, hi = d["prompt_tokens_min"], d["prompt_tokens_max"]
+        out.append({"depth": d["depth"], "trials": d["trials"], "passed": d["passed"], "pass rate": d["pass_rate"],
+                    "prompt tokens": lo if lo == hi else f"{lo}-{hi}",
+                    "failed": why.cell(i["error"] for i in result["items"] if i["depth"] == d["depth"])})
+    return out, [*result["notes"], *why.lines()]

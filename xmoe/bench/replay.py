@@ -10,7 +10,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tqdm import tqdm
 
@@ -51,7 +51,7 @@ class Tally:
         with self.lock:
             if error:
                 self.errors += 1
-                kind = error.split(": ", 1)[-1][:80]
+                kind = error.split(": ", 1)[-1][:200]
                 self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
                 return
             self.requests += 1
@@ -93,8 +93,22 @@ def scrape(client: Client) -> dict[str, float] | None:
         return None
 
 
+def fit_context(opts: ReplayOptions, server: int | None) -> tuple[ReplayOptions, list[str]]:
+    """Sessions restart before their prompt and the next two replies (the one just added to the history and
+    the one asked for) outgrow the server's context."""
+    room = server - 2 * opts.max_tokens if server else None
+    if room is None or opts.max_context <= room:
+        return opts, []
+    if room < 64:
+        raise ValueError(f"replay: the server's context of {server} tokens leaves no room for a session beside "
+                         f"{opts.max_tokens}-token replies")
+    return replace(opts, max_context=room), [f"sessions restart at {room} prompt tokens, not {opts.max_context}: "
+                                             f"the server's context is {server} tokens"]
+
+
 def run(client: Client, opts: ReplayOptions) -> dict:
     text, source = long_text(opts.text, quiet=True)
+    opts, notes = fit_context(opts, client.context_length())
     before = scrape(client)
     tally = Tally()
     t0 = time.perf_counter()
@@ -115,4 +129,5 @@ def run(client: Client, opts: ReplayOptions) -> dict:
             "aggregate_tok_s": tally.completion_tokens / wall,
             "stream_tok_s_median": statistics.median(tally.rates) if tally.rates else None,
             "prefix_hit_share": metrics.prefix_hit_share(d) if d else None,
-            "preemptions": d.get(metrics.PREEMPTIONS), "server_counters": d, "text": source}
+            "preemptions": d.get(metrics.PREEMPTIONS), "server_counters": d, "text": source,
+            "max_context": opts.max_context, "notes": notes}

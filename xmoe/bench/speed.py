@@ -1,13 +1,16 @@
 """`xmoe bench speed`: decode and prefill speed of a server, for 1 and N concurrent streams.
 
 Decode: the same prompt (its prefix cache warmed first) answered with `short` and with `long` tokens, non-
-streaming; decode tokens/s = (long - short) / (time_long - time_short), so prefill, scheduling and HTTP
-overheads cancel. With c concurrent streams, c distinct warmed prompts are sent at once and the times are the
-wall clock of the whole batch; aggregate = c x per-stream rate. Exact lengths are forced with vLLM's sampling
-extras `min_tokens` and `ignore_eos`; a server that rejects them is asked again without them and the lengths
-it reports in `usage` are used (flagged `forced: false`; replies that stop early make the figure noisier).
+streaming (`long` by default sized to some seconds of decoding at the speed one stream gets, up to 400);
+decode tokens/s = (long - short) / (time_long - time_short), so prefill, scheduling and HTTP overheads cancel.
+With c concurrent streams, c distinct warmed prompts are sent at once and the times are the wall clock of the
+whole batch; aggregate = c x per-stream rate. Exact lengths are forced with vLLM's sampling
+extras `min_tokens` and `ignore_eos`; on a server that rejects them (asked once) the lengths it reports in
+`usage` are used (flagged `forced: false`; replies that stop early make the figure noisier).
 Prefill: c prompts of L tokens at once, each behind a random prefix (so the prefix cache cannot help), one
-token generated; prefill tokens/s = all prompt tokens / wall time."""
+token generated; prefill tokens/s = all prompt tokens / wall time.
+Each step reports the median of `repeats` runs, fewer where one run alone takes long (its noise is then small).
+Prompt lengths are the server's own token counts, and are fitted to the context length it states."""
 import random
 import statistics
 import sys
@@ -18,12 +21,19 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from .client import Client, RequestError
-from .texts import chars_per_token, long_text
+from .fit import Counter, chars_per_token, fit
+from .report import Reasons
+from .texts import long_text
+
+MIN_PROMPT = 64         # decode prompts shorter than this say little about a server's speed
+LONG_SECONDS = 8.0      # the default long reply: enough time that HTTP and scheduling jitter do not matter
+LONG_RANGE = (64, 400)
+STEP_SECONDS = 20.0     # a step stops repeating once it has run this long
 
 
 @dataclass(frozen=True)
 class SpeedOptions:
-    long: int = 400
+    long: int | None = None                   # None: LONG_SECONDS of decoding at the measured speed
     short: int = 16
     prompt_tokens: int = 256                  # prompt of the decode measurement
     prefill: tuple[int, ...] = (2048,)        # prompt lengths for prefill throughput
@@ -33,8 +43,39 @@ class SpeedOptions:
     seed: int = 0
 
     def __post_init__(self):
-        if not 0 < self.short < self.long:
+        if self.short < 1 or self.long is not None and self.long <= self.short:
             raise ValueError(f"need 0 < --short < --long, got {self.short} and {self.long}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    prompt_tokens: int | None       # of the decode measurement; None: it cannot fit the context
+    prefill: tuple[int, ...]
+    notes: tuple[str, ...]          # what was changed to fit, and why
+
+
+def plan(opts: SpeedOptions, context: int | None, long: int) -> Plan:
+    """The lengths to measure, fitted to the server's context (prompt and reply together): the decode prompt
+    shortened so that the long reply still fits, prefill prompts cut to the longest the context takes with
+    their one reply token."""
+    if context is None:
+        return Plan(opts.prompt_tokens, opts.prefill, ("the server does not state its context length: lengths as "
+                                                       "asked",))
+    notes = []
+    prompt = min(opts.prompt_tokens, context - long)
+    if prompt < MIN_PROMPT:
+        prompt = None
+        notes.append(f"decode not measured: --long {long} leaves fewer than {MIN_PROMPT} prompt tokens in the "
+                     f"server's {context}-token context")
+    elif prompt < opts.prompt_tokens:
+        notes.append(f"decode prompt {opts.prompt_tokens} -> {prompt} tokens, so that it and the {long}-token "
+                     f"reply fit the server's {context}-token context")
+    longest = context - 1
+    over = [n for n in opts.prefill if n > longest]
+    if over:
+        notes.append(f"prefill {', '.join(map(str, over))} -> {longest} tokens: the longest prompt the server's "
+                     f"{context}-token context takes with a one-token reply")
+    return Plan(prompt, tuple(dict.fromkeys(min(n, longest) for n in opts.prefill)), tuple(notes))
 
 
 def messages(body: str) -> list[dict]:
@@ -42,39 +83,68 @@ def messages(body: str) -> list[dict]:
 
 
 class Prompts:
-    """Prompts of a requested token length cut from the long text; each with its own random opening words."""
+    """Prompts of a requested token length cut from the long text, each opening with its own random number
+    (so that no two share a cached prefix). The cut is fitted once per length, with the server's count."""
 
     def __init__(self, client: Client, opts: SpeedOptions):
         self.text, self.source = long_text(opts.text, quiet=True)
-        self.cpt, self.overhead = chars_per_token(client, self.text, messages)
+        self.count = Counter(client)
+        self.cpt = chars_per_token(self.count, self.text, messages)
         self.rng = random.Random(opts.seed)
+        self.cuts: dict[int, str] = {}
+
+    def _tagged(self, tag: int, body: str) -> list[dict]:
+        return messages(f"[{tag:012d}]\n{body}")     # fixed width: every tag is the same number of tokens
 
     def make(self, tokens: int) -> list[dict]:
-        tag = " ".join(str(self.rng.randrange(10 ** 6)) for _ in range(4))
-        n = int(max(tokens - self.overhead - 12, 1) * self.cpt)
-        start = self.rng.randrange(len(self.text))
-        body = (self.text * (2 + n // len(self.text)))[start: start + n]
-        return messages(f"[{tag}]\n{body}")
+        if tokens not in self.cuts:
+            start = self.rng.randrange(len(self.text))
+            body = lambda n: (self.text * (2 + n // len(self.text)))[start: start + n]
+            self.cuts[tokens] = body(fit(lambda n: self._tagged(0, body(n)), tokens, self.count, self.cpt).chars)
+        return self._tagged(self.rng.randrange(10 ** 12), self.cuts[tokens])
 
 
 class Forcing:
-    """Sends max_tokens with min_tokens/ignore_eos while the server accepts them; remembers when it does not."""
+    """Whether the server takes vLLM's `min_tokens`/`ignore_eos` (asked once, with a two-token request); then
+    every measurement is sent with them, or without them all."""
 
-    def __init__(self):
-        self.forced = True
+    def __init__(self, client: Client):
+        try:
+            client.chat(messages("Hello."), 2, min_tokens=2, ignore_eos=True)
+            self.forced = True
+        except RequestError as e:
+            if e.status not in (400, 422):
+                raise
+            self.forced = False
+
+    def extra(self, n: int) -> dict:
+        return {"min_tokens": n, "ignore_eos": True} if self.forced else {}
 
     def call(self, client: Client, msgs: list[dict], n: int) -> tuple[float, dict]:
-        extra = {"min_tokens": n, "ignore_eos": True} if self.forced else {}
         t0 = time.perf_counter()
-        try:
-            r = client.chat(msgs, n, **extra)
-        except RequestError as e:
-            if not extra or "HTTP 4" not in str(e):
-                raise
-            t0 = time.perf_counter()
-            r = client.chat(msgs, n)        # raises when the extras were not what the server refused
-            self.forced = False
+        r = client.chat(msgs, n, **self.extra(n))
         return time.perf_counter() - t0, r["usage"]
+
+
+def long_length(client: Client, force: Forcing, opts: SpeedOptions) -> tuple[int, list[str]]:
+    """(`long`, notes): as asked, else LONG_SECONDS at the decode speed of one streamed reply, within LONG_RANGE."""
+    if opts.long is not None:
+        return opts.long, []
+    rate = client.stream_chat(messages("Hello."), 32, **force.extra(32)).decode_tok_s
+    lo, hi = max(LONG_RANGE[0], 4 * opts.short), LONG_RANGE[1]
+    if not rate:
+        return hi, []
+    long = min(max(round(rate * LONG_SECONDS), lo), hi)
+    return long, [] if long == hi else [f"long replies of {long} tokens: {LONG_SECONDS:g} s at the {rate:.3g} tok/s "
+                                        f"one stream decodes (--long sets it)"]
+
+
+def repeated(measure, repeats: int) -> list:
+    """`measure()` `repeats` times, or fewer once STEP_SECONDS have passed."""
+    t0, runs = time.monotonic(), []
+    while len(runs) < repeats and (not runs or time.monotonic() - t0 < STEP_SECONDS):
+        runs.append(measure())
+    return runs
 
 
 def batch(client: Client, force: Forcing, prompts: list[list[dict]], n: int) -> tuple[float, list[dict]]:
@@ -85,44 +155,73 @@ def batch(client: Client, force: Forcing, prompts: list[list[dict]], n: int) -> 
     return time.perf_counter() - t0, usages
 
 
-def decode(client: Client, force: Forcing, prompts: list[list[dict]], opts: SpeedOptions) -> dict:
+def decode(client: Client, force: Forcing, prompts: list[list[dict]], opts: SpeedOptions, n_long: int) -> dict:
     batch(client, force, prompts, 1)                          # warm the prefix cache
-    short, long = [], []
-    for _ in range(opts.repeats):
-        short.append(batch(client, force, prompts, opts.short))
-        long.append(batch(client, force, prompts, opts.long))
+    runs = repeated(lambda: (batch(client, force, prompts, opts.short), batch(client, force, prompts, n_long)),
+                    opts.repeats)
+    short, long = [s for s, _ in runs], [l for _, l in runs]
     t_s, t_l = statistics.median(t for t, _ in short), statistics.median(t for t, _ in long)
     n_s = statistics.mean(u["completion_tokens"] for _, us in short for u in us)
     n_l = statistics.mean(u["completion_tokens"] for _, us in long for u in us)
     per_stream = (n_l - n_s) / (t_l - t_s) if t_l > t_s and n_l > n_s else None
     c = len(prompts)
-    return {"streams": c, "short_tokens": n_s, "long_tokens": n_l, "short_s": t_s, "long_s": t_l,
-            "stream_tok_s": per_stream, "aggregate_tok_s": per_stream and per_stream * c, "forced": force.forced}
+    return {"streams": c, "prompt_tokens": statistics.mean(u["prompt_tokens"] for _, us in long for u in us),
+            "short_tokens": n_s, "long_tokens": n_l, "short_s": t_s, "long_s": t_l, "stream_tok_s": per_stream,
+            "aggregate_tok_s": per_stream and per_stream * c, "forced": force.forced, "repeats": len(runs),
+            "error": None}
 
 
 def prefill(client: Client, force: Forcing, prompts: Prompts, length: int, streams: int, repeats: int) -> dict:
     """`streams` fresh prompts of `length` tokens sent at once, one token generated; aggregate prompt tokens/s."""
-    runs = [batch(client, force, [prompts.make(length) for _ in range(streams)], 1) for _ in range(repeats)]
+    runs = repeated(lambda: batch(client, force, [prompts.make(length) for _ in range(streams)], 1), repeats)
     t = statistics.median(t for t, _ in runs)
     total = statistics.median(sum(u["prompt_tokens"] for u in us) for _, us in runs)
     return {"target_tokens": length, "streams": streams, "prompt_tokens": total / streams, "seconds": t,
-            "prefill_tok_s": total / t}
+            "prefill_tok_s": total / t, "repeats": len(runs), "error": None}
 
 
 def run(client: Client, opts: SpeedOptions) -> dict:
-    prompts, force = Prompts(client, opts), Forcing()
-    steps = len(opts.concurrency) * (1 + len(opts.prefill))
-    result = {"model": client.model, "text": prompts.source, "decode": [], "prefill": []}
-    with tqdm(total=steps, desc="speed", unit="step", file=sys.stderr) as bar:
-        for c in opts.concurrency:
-            result["decode"].append(decode(client, force, [prompts.make(opts.prompt_tokens) for _ in range(c)], opts))
+    """Every step of the sweep; one that fails keeps its row, with the server's reason, and the sweep goes on."""
+    context = client.context_length()
+    prompts, force = Prompts(client, opts), Forcing(client)
+    n_long, notes = long_length(client, force, opts)
+    p = plan(opts, context, n_long)
+    steps = [("decode", {"streams": c}) for c in opts.concurrency if p.prompt_tokens]
+    steps += [("prefill", {"target_tokens": n, "streams": c}) for n in p.prefill for c in opts.concurrency]
+    result = {"model": client.model, "text": prompts.source, "context": context, "counted_by": prompts.count.method,
+              "long": n_long, "notes": [*notes, *p.notes], "decode": [], "prefill": []}
+    with tqdm(total=len(steps), desc="speed", unit="step", file=sys.stderr) as bar:
+        for kind, row in steps:
+            try:
+                if kind == "decode":
+                    msgs = [prompts.make(p.prompt_tokens) for _ in range(row["streams"])]
+                    row = decode(client, force, msgs, opts, n_long)
+                else:
+                    row = prefill(client, force, prompts, row["target_tokens"], row["streams"], opts.repeats)
+            except (RequestError, ValueError) as e:
+                row = {**row, "error": str(e)}
+            except KeyboardInterrupt:
+                result["notes"].append("interrupted: the steps measured before it are shown")
+                break
+            result[kind].append(row)
             bar.update()
-        for length in opts.prefill:
-            for c in opts.concurrency:
-                result["prefill"].append(prefill(client, force, prompts, length, c, opts.repeats))
-                bar.update()
     result["forced"] = force.forced
     return result
+
+
+def tables(result: dict) -> tuple[list[dict], list[dict], list[str]]:
+    """(decode rows, prefill rows, notes) for the printout; a failed step's row names its reason."""
+    why = Reasons()
+    failed = lambda r: {"failed": why.refs([r["error"]])} if r["error"] else {}
+    decode = [{"streams": d["streams"], "prompt tokens": d.get("prompt_tokens"),
+               "decode tok/s per stream": d.get("stream_tok_s"), "aggregate tok/s": d.get("aggregate_tok_s"),
+               **({} if d["error"] else {"tokens short/long": f"{d['short_tokens']:g}/{d['long_tokens']:g}",
+                                         "seconds short/long": f"{d['short_s']:.2f}/{d['long_s']:.2f}"}),
+               **failed(d)} for d in result["decode"]]
+    prefill = [{"streams": p["streams"], "prompt tokens asked": p["target_tokens"],
+                "prompt tokens per stream": p.get("prompt_tokens"), "seconds": p.get("seconds"),
+                "prefill tok/s (aggregate)": p.get("prefill_tok_s"), **failed(p)} for p in result["prefill"]]
+    return decode, prefill, [*result["notes"], *why.lines()]
 
 
 def plot(result: dict, path: str) -> None:
@@ -134,13 +233,13 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    d = [r for r in result["decode"] if r["aggregate_tok_s"]]
+    d = [r for r in result["decode"] if r.get("aggregate_tok_s")]
     a.plot([r["streams"] for r in d], [r["aggregate_tok_s"] for r in d], "o-", label="aggregate")
     a.plot([r["streams"] for r in d], [r["stream_tok_s"] for r in d], "s--", label="per stream")
     a.set(xlabel="concurrent streams", ylabel="decode tokens/s", title=result["model"], ylim=(0, None))
     a.legend()
     for c in sorted({r["streams"] for r in result["prefill"]}):
-        p = [r for r in result["prefill"] if r["streams"] == c]
+        p = [r for r in result["prefill"] if r["streams"] == c and not r["error"]]
         b.plot([r["prompt_tokens"] for r in p], [r["prefill_tok_s"] for r in p], "o-", label=f"{c} streams")
     b.set(xlabel="prompt tokens per stream", ylabel="prefill tokens/s (aggregate)", xscale="log", ylim=(0, None))
     b.legend()

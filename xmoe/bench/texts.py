@@ -46,11 +46,3 @@ def long_text(path: str | None = None, quiet: bool = False) -> tuple[str, str]:
         return text, f"{LICENSES}/*"
     raise OSError(f"no long text found: install the KJV ({APT_HINT}) or pass --text FILE")
 
-
-def chars_per_token(client, text: str, messages) -> tuple[float, int]:
-    """(characters per token of `text`, tokens of the prompt around it) from the server's own usage counts:
-    the prompt `messages(body)` sent once empty and once with a sample of the text, one token generated."""
-    sample = text[:4000]
-    empty = client.chat(messages(""), 1)["usage"]["prompt_tokens"]
-    full = client.chat(messages(sample), 1)["usage"]["prompt_tokens"]
-    return len(sample) / max(full - empty, 1), empty

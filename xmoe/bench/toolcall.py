@@ -8,11 +8,12 @@ ignoring case, spaces and the characters ,./-_*^; an integer accepted where a fl
 element by element; dicts key by key, each value against its own list of allowed values."""
 import json
 import re
+import time
 from dataclasses import dataclass
 
 from .client import Client, RequestError
 from .data import bfcl_items
-from .report import parallel
+from .report import Reasons, Stop, parallel, shortfall
 
 CATEGORIES = ("simple_python", "multiple")
 TYPES = {"dict": "object", "float": "number", "tuple": "array", "any": None}
@@ -27,12 +28,14 @@ class ToolcallOptions:
     max_tokens: int = 256
     concurrency: int = 8
     tool_choice: str = "auto"   # "required" makes vLLM constrain the reply to a call (slow on CPUs)
+    time_limit: float = 300.0   # seconds after which no item is started (0: none), shared by the categories
 
     def __post_init__(self):
         unknown = [c for c in self.categories if c not in CATEGORIES]
-        if unknown or self.n < 1:
+        if unknown or self.n < 1 or self.time_limit < 0:
             raise ValueError(f"toolcall: categories must be among {', '.join(CATEGORIES)} (got "
-                             f"{', '.join(self.categories)}) and --n >= 1 (got {self.n})")
+                             f"{', '.join(self.categories)}), --n >= 1 (got {self.n}) and --time-limit >= 0 "
+                             f"(got {self.time_limit})")
 
 
 def schema(s):
@@ -130,12 +133,29 @@ def probe(client: Client, item: dict, opts: ToolcallOptions) -> dict:
 
 
 def run(client: Client, opts: ToolcallOptions) -> dict:
-    result = {"model": client.model, "categories": []}
-    for cat in opts.categories:
+    """The first `n` items of each category, as many as the time limit allows: category k of K may run until
+    k/K of it has passed, so a slow server still scores every category."""
+    result, t0 = {"model": client.model, "tool_choice": opts.tool_choice, "categories": []}, time.monotonic()
+    for k, cat in enumerate(opts.categories, 1):
         items = bfcl_items(cat)[: opts.n]
-        got = parallel(lambda it: probe(client, it, opts), items, opts.concurrency, f"toolcall {cat}")
-        result["categories"].append({"category": cat, "n": len(got), "passed": sum(g["passed"] for g in got),
+        stop = Stop(t0 + opts.time_limit * k / len(opts.categories) if opts.time_limit else None)
+        got = [g for g in parallel(lambda it: probe(client, it, opts), items, opts.concurrency, f"toolcall {cat}",
+                                   stop) if g is not None]
+        result["categories"].append({"category": cat, "n": len(got), "asked": len(items), "stopped": stop.reason,
+                                     "time_limit": opts.time_limit, "passed": sum(g["passed"] for g in got),
                                      "accuracy": sum(g["passed"] for g in got) / max(len(got), 1),
                                      "no_call": sum(g["calls"] == [] for g in got),
                                      "errors": sum(bool(g["error"]) for g in got), "items": got})
+        if stop.reason == "interrupted":
+            break
     return result
+
+
+def rows(result: dict) -> tuple[list[dict], list[str]]:
+    """(a row per category, notes) for the printout; failed requests are counted with their reasons."""
+    why = Reasons()
+    out = [{**{k: c[k] for k in ("category", "n", "passed", "accuracy", "no_call")},
+            "failed": why.cell(i["error"] for i in c["items"])} for c in result["categories"]]
+    short = [line for c in result["categories"] for line in
+             shortfall(c["stopped"], c["n"], c["asked"], f"{c['category']} items", c["time_limit"])]
+    return out, [*short, *why.lines()]
