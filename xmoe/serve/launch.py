@@ -1,8 +1,11 @@
 """From `ServeOptions` to the vLLM OpenAI server: the command line, its environment, a readable summary."""
+import functools
+import importlib.util
 import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 from .options import MIDDLEWARE, ServeOptions, text_config
 
@@ -28,11 +31,22 @@ def engine_command(o: ServeOptions) -> list[str]:
         cmd.append("--enforce-eager")
     if o.tool_call_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", o.tool_call_parser]
-        if _strict_level_given(o) is None:
+        if _strict_level_given(o) is None and vllm_accepts("tool_strict_level"):
             cmd += ["--tool-strict-level", TOOL_STRICT_LEVEL]
     if o.api_key:
         cmd += ["--middleware", MIDDLEWARE]  # the key itself travels in the environment, not in `ps` output
     return cmd + list(o.extra_args)
+
+
+@functools.lru_cache(maxsize=None)
+def vllm_accepts(dest: str) -> bool:
+    """Whether the installed vLLM's server takes an option, read from its argument modules without importing
+    vLLM. `tool_strict_level` came after 0.26, which already holds non-strict tools' arguments to their schema."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    root = Path(next(iter(spec.submodule_search_locations))) / "entrypoints"
+    return any(dest in f.read_text(errors="replace") for f in root.rglob("cli_args.py"))
 
 
 def _strict_level_given(o: ServeOptions) -> str | None:
