@@ -2,6 +2,8 @@
 they are either kept as EXL3, stacked per projection, for the fused Triton kernel (GPUs), or decoded to the
 compute dtype and run as a plain torch loop (the CPU: memory of a dense model, the routed experts included).
 """
+import functools
+import logging
 import types
 from collections.abc import Iterable
 
@@ -15,6 +17,13 @@ from ..kernels.reference import activation_ref
 from ..kernels.weights import Exl3Experts, Exl3Weight
 
 SHARD = {"w1": "gate", "w3": "up", "w2": "down"}
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def warn_dummy(dummy) -> None:
+    log.warning("exl3: random EXL3 experts at K=%g %s (--load-format dummy): for speed, not for answers",
+                dummy.K, dummy.codebook)
 
 
 def collector(layer: torch.nn.Module, suffix: str, experts: bool) -> torch.nn.Parameter:
@@ -88,6 +97,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         E, H, I, dtype = layer._exl3_shape
         if not layer._exl3 and self.dummy is not None:  # --load-format dummy: nothing was delivered
+            warn_dummy(self.dummy)
             if self.backend == "triton":
                 layer._experts = self.dummy.experts(E, H, I, layer._exl3_device)
                 self._drop_collectors(layer)
