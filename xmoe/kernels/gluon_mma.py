@@ -16,7 +16,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .triton_exl3 import MUL1_H_PTX
+from .triton_codebook import HALVES_XOR, INST3_ADD, INST3_MULT, MCG_MULT, MUL1_H_PTX, MUL1_MULT
 
 # tile_layout's axes in (row, column) order: kt, j, t, r0 (input row 16 kt + 8 j + 2 t + r0), then nt, c3, g
 TILE_ORDER = gl.constexpr((3, 4, 6, 5, 0, 1, 2))
@@ -154,20 +154,20 @@ def codewords(state, mask, CB: gl.constexpr, MUL1_H: gl.constexpr):
     the format's halves; for mul1 (CB 2) the weight itself and a zero, by the format's arithmetic: dp4a gives the
     fp16 bits of h = 1024 + the product's byte sum, one fp16 FMA (k_inv 0x1EEE, k_bias 0xC931) the weight. With
     MUL1_H, mul1's word is h and a zero: the weight is h k_inv + k_bias, which the epilogue applies to the
-    products (triton_exl3.mul1_affine)."""
+    products (triton_epilogues.mul1_affine)."""
     if CB == 2:
         if MUL1_H:
-            return gl.inline_asm_elementwise(MUL1_H_PTX, "=r,r", [state * 0x83DCD12D], dtype=gl.uint32, is_pure=True,
+            return gl.inline_asm_elementwise(MUL1_H_PTX, "=r,r", [state * MUL1_MULT], dtype=gl.uint32, is_pure=True,
                                              pack=1)
         return gl.inline_asm_elementwise(
             "{ .reg .b32 m, z, h, k, c; mov.b32 m, 0x01010101; mov.b32 z, 0x6400; dp4a.u32.u32 h, $1, m, z; "
             "mov.b32 k, 0x1EEE1EEE; mov.b32 c, 0x0000C931; fma.rn.f16x2 $0, h, k, c; }", "=r,r",
-            [state * 0x83DCD12D], dtype=gl.uint32, is_pure=True, pack=1)
+            [state * MUL1_MULT], dtype=gl.uint32, is_pure=True, pack=1)
     if CB == 0:
-        x = state * 89226354 + 64248484
+        x = state * INST3_MULT + INST3_ADD
     else:
-        x = state * 0xCBAC1FED
-    return (x & mask) ^ 0x3B603B60
+        x = state * MCG_MULT
+    return (x & mask) ^ HALVES_XOR
 
 
 @gluon.jit

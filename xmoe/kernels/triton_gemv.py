@@ -3,7 +3,8 @@ from the codebook straight into FMAs instead of through shared memory to the ten
 import triton
 import triton.language as tl
 
-from .triton_exl3 import codebook_halves, codebook_operand, load_words, tile_offsets, tile_states
+from .triton_codebook import codebook_halves, codebook_operand
+from .triton_decode import load_words, tile_offsets, tile_states
 
 
 @triton.jit
