@@ -12,7 +12,7 @@ from .routing import Routing, chunk_bound
 from .tuning import DEFAULT, Tile, Tuning
 from .weights import Exl3Weight
 
-DECODE_BK, DECODE_BN = 32, 128  # decode_weights' block: the fastest of six shapes on an H200
+DECODE_BK, DECODE_BN = 32, 128  # decode_weights' block: the fastest of six shapes timed (docs/kernels.md)
 DECODE_STEPS = 8  # gluon_mma.decode_weights: blocks of DECODE_BK rows a program
 
 

@@ -27,9 +27,8 @@ def mul1_affine(acc, sums_ptr, pos, live, KB):
 def _split_sum(p_ptr, pos, cols, mask, P, n, SPLIT: tl.constexpr):
     """sum over the K splits s of p[s, pos, cols], (BM, 128) for BM positions. Up to 16 rows each split is
     loaded as (1, BM, 128) and summed over that unit axis, which keeps the adds in the loads' layout: loaded as
-    (BM, 128), every split went into the MMA operand's layout through shared memory (act_epilogue at 16 rows
-    and 16 splits, Triton 3.6: 1,056 shared-memory loads, 83 barriers, spills; this way 48, 21, none).
-    Prefill's 64 rows, mostly one split, load them plainly: there the unit axis held more registers."""
+    (BM, 128), every split went into the MMA operand's layout through shared memory (docs/kernels.md). Prefill's
+    64 rows, mostly one split, load them plainly: there the unit axis held more registers."""
     if pos.shape[0] <= 16:
         acc = tl.sum(tl.load(p_ptr + pos.to(tl.int64)[None, :, None] * n + cols[None, None, :],
                              mask=mask[None, :, :], other=0.0), axis=0)
@@ -57,7 +56,7 @@ def _products(p_ptr, sums_ptr, pos, cols, live, P, n, KB, SPLIT: tl.constexpr, M
 def linear_epilogue(p_ptr, sums_ptr, svh_ptr, bias_ptr, out_ptr, had_ptr, P, n, n_out, KB, per_slice, stride_out,
                     HAS_BIAS: tl.constexpr, MUL1_H: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
     """out[pos, :n_out] = (H_128 sum_split p[:, pos]) * svh (+ bias), in out's dtype (MUL1_H: _products). Positions
-    come in slices of per_slice rows (ops.exl3_linear_slices; one slice for a layer): slice s takes svh[s] and
+    come in slices of per_slice rows (exl3_linear_slices; one slice for a layer): slice s takes svh[s] and
     writes its rows' columns s n .. of out, whose rows are stride_out apart."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
@@ -80,8 +79,8 @@ def act_epilogue(pg_ptr, pu_ptr, sums_g_ptr, sums_u_ptr, expert_ptr, svh_g_ptr, 
                  SUMS: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr):
     """The middle of a MoE expert, per sorted slot: g, u = H(gate), H(up) scaled by svh (MUL1_H: _products); a =
     SiLU(g) u (SwiGLU-clamped with a limit); out = H(a * suh_down) in out's dtype, the down projection's rotated
-    input (SUMS: and its block sums). Both sums of K splits come before the Hadamard matrix is loaded (8 rows
-    of 12-16 splits: 138-151 registers a thread, 176 with the matrix loaded first; Triton 3.6, sm_90)."""
+    input (SUMS: and its block sums). Both sums of K splits come before the Hadamard matrix is loaded, which
+    takes fewer registers (docs/kernels.md)."""
     pos = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     e = tl.load(expert_ptr + pos, mask=pos < P, other=E).to(tl.int64)
