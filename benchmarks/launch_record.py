@@ -5,8 +5,9 @@ planning or the launchers that keeps the record keeps the outputs bit for bit an
 
 Runs under TRITON_INTERPRET=1 (set here). Only the routing feeds the host (the dense path reads its counts back):
 route_small runs interpreted, route_scatter's runs of experts and hot_experts' tables are computed in torch (the
-interpreter takes minutes for them at prefill sizes), every other launch is recorded and skipped. --target h100 answers the planner's questions
-about the device as an H100 or H200 would (132 multiprocessors, grouped_mma available); cpu as the CPU does.
+interpreter takes minutes for them at prefill sizes), every other launch is recorded and skipped. --target h100
+answers the planner's questions about the device as an H100 or H200 would (132 multiprocessors, grouped_mma
+available); cpu as the CPU does.
 
     python benchmarks/launch_record.py --out launches.json [--target cpu h100] [--quick]
 """
@@ -113,7 +114,8 @@ def weight(k: int, n: int, K: float, codebook: str, experts: int = 0) -> Exl3Wei
     lead = (experts,) if experts else ()
     trellis = torch.zeros(1, k // 16, n // 16, int(16 * K), dtype=torch.int16).expand(*lead or (1,), -1, -1, -1)
     trellis = trellis if experts else trellis[0]
-    vec = lambda m: torch.ones(1, m, dtype=torch.float16).expand(*lead or (1,), -1)[(slice(None),) if experts else 0]  # noqa: E731
+    vec = lambda m: torch.ones(1, m, dtype=torch.float16).expand(*lead or (1,), -1)  # noqa: E731
+    vec = (lambda m, v=vec: v(m)) if experts else (lambda m, v=vec: v(m)[0])
     return Exl3Weight(trellis, vec(k), vec(n), K, codebook, k, n)
 
 

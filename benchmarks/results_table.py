@@ -112,8 +112,8 @@ def quantize_tables(runs: list[dict]) -> list[str]:
         walls = ", ".join(f"{len(s['devices'])} GPU: {s['seconds'] / s['tensors']:.3f} s" for s in run["scaling"])
         rows.append([f"{h['xmoe_quantize_linear_s']:.2f} h", f"{h['xmoe_encoder_s']:.2f} h",
                      f"{h['stock_encoder_s']:.2f} h", walls, provenance([run])])
-    return table(("a V4.1 pack on one GPU (projected)", "our encoder alone", "stock's encoder", "whole runs, per tensor",
-                  "commit (date)"), rows)
+    return table(("a V4.1 pack on one GPU (projected)", "our encoder alone", "stock's encoder",
+                  "whole runs, per tensor", "commit (date)"), rows)
 
 
 def encode_tables(runs: list[dict]) -> list[str]:

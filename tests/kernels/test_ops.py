@@ -147,7 +147,8 @@ def forced(path: str):
         return DEFAULT
     swap = path.endswith("swap")
     return replace(DEFAULT, decoder=path.split("-")[0], mma_mid_max_rows=0, tiled_dot_max_rows=0,
-                   dot_decode=replace(DEFAULT.dot_decode, swap=swap), dot_prefill=replace(DEFAULT.dot_prefill, swap=swap),
+                   dot_decode=replace(DEFAULT.dot_decode, swap=swap),
+                   dot_prefill=replace(DEFAULT.dot_prefill, swap=swap),
                    gemv_max_rows=INF if path.endswith("gemv") else 0,
                    mma_decode_max_rows=INF if path.endswith("mma") else 0,
                    mma_prefill_max_rows=INF if path.endswith("rows") else 0)

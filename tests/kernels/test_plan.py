@@ -69,8 +69,9 @@ def test_moe_plans_at_v41_shapes(tokens, K, gate_up, down, dense_gate_up, dense,
 
 
 @pytest.mark.parametrize("rows, K, expected", [
-    (1, 2, (MMA, 8, 128, 32, 16, False)), (8, 3, (MMA, 8, 128, 32, 16, False)), (12, 2, (MMA, 16, 128, 32, 16, False)),
-    (16, 3, (MMA, 16, 128, 32, 16, False)), (64, 2, (GEMM, 64, 128, 64, 8, False)), (64, 3, (MMA, 32, 256, 16, 16, False)),
+    (1, 2, (MMA, 8, 128, 32, 16, False)), (8, 3, (MMA, 8, 128, 32, 16, False)),
+    (12, 2, (MMA, 16, 128, 32, 16, False)), (16, 3, (MMA, 16, 128, 32, 16, False)),
+    (64, 2, (GEMM, 64, 128, 64, 8, False)), (64, 3, (MMA, 32, 256, 16, 16, False)),
     (1542, 2, (GEMM, 64, 128, 64, 1, False)), (1542, 3, (GEMM, 64, 32, 16, 1, False))])
 def test_linear_plans(rows, K, expected):
     """A 5120 -> 2304 layer: grouped_mma up to 8 rows, then in chunks of 16 ("mid"), at K = 3 in chunks of 32 up

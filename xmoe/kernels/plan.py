@@ -49,7 +49,8 @@ def target_of(device: torch.device) -> Target:
 
 def eager(device: torch.device) -> bool:
     """Whether a call may read device data back: not while torch.compile traces it or a CUDA graph captures it."""
-    return not torch.compiler.is_compiling() and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return not torch.compiler.is_compiling() and not capturing
 
 
 def _gluon_refusal() -> str | None:
@@ -124,11 +125,13 @@ def regime(rows: float, tiled: bool = True, mma: bool = False, rows_mma: float |
     return "decode" if rows <= t.dot_decode_max_rows else "prefill"
 
 
+def tile_name(mode: str, tiled: bool) -> str:
+    """The Tuning field of a regime's tile: tl.dot's decode and prefill tiles per decoder."""
+    return ("dot_" if tiled else "gather_") + mode if mode in ("decode", "prefill") else mode
+
+
 def tile_of(mode: str, tiled: bool, tuning: Tuning = DEFAULT) -> Tile:
-    """The tuning's tile of a regime; tl.dot's decode and prefill tiles per decoder."""
-    if mode in ("decode", "prefill"):
-        mode = ("dot_" if tiled else "gather_") + mode
-    return getattr(tuning, mode)
+    return getattr(tuning, tile_name(mode, tiled))
 
 
 def plan_gemm(chunks: int, n: int, k: int, rows: float, sms: int, K: float = 2, gemv: bool = True,
