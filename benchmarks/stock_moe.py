@@ -158,8 +158,10 @@ class Stock:
                 self.ext.exl3_moe(x, out[:T], count, token, weight, *self.temp, 0, self.K, self.K, self.K,
                                   *self.tables, *(self.mcg, self.mul1) * 3, 0.0, num_active, scratch, tables[0],
                                   lo, hi, m_tile)
-            for group in groups:
-                self._recon(x, scratch, *group)
+            if groups:  # one zero row past the end, which the groups' padding rows read
+                padded = torch.cat([x, torch.zeros(1, self.H, dtype=x.dtype, device=x.device)])
+                for group in groups:
+                    self._recon(padded, scratch, *group)
             self.ext.exl3_moe_gather(out[:T], scratch, flat, inv, tables[1, :self.E], tables[0, :self.E],
                                      tables[2, :self.E], weight)
             return out[:T]
@@ -183,12 +185,13 @@ class Stock:
             slot += len(group) * most
         return out
 
-    def _recon(self, x, scratch, tok, pointers, B: int, most: int, slot: int) -> None:
+    def _recon(self, padded, scratch, tok, pointers, B: int, most: int, slot: int) -> None:
         """One batched-reconstruct group: each projection's weights reconstructed with their Hadamards and scales
         folded in (reconstruct_had_batch), one batched fp16 GEMM each, the activation over the slab, and down's
         output written unweighted into the group's slots (the gather weights them)."""
         ext, H, I, cb = self.ext, self.H, self.I, (self.mcg, self.mul1)
-        y = torch.cat([x, torch.zeros(1, H, dtype=x.dtype, device=x.device)]).index_select(0, tok).view(B, most, H)
+        x = padded
+        y = padded.index_select(0, tok).view(B, most, H)
         (tg, sg, vg), (tu, su, vu), (td, sd, vd) = (pointers[i:i + 3] for i in (0, 3, 6))
         weights = torch.empty(B, H, I, dtype=torch.half, device=x.device)
         ext.reconstruct_had_batch(weights, tu, su, vu, self.K, *cb)
