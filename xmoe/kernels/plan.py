@@ -280,5 +280,6 @@ def plan_moe(tokens: int, top_k: int, experts, target: Target, tuning: Tuning = 
         combine = ("combine_stacked", max(1, stacked), epilogue_launch(tokens, tuning=tuning)[1])
     else:
         combine = ("combine_epilogue", *epilogue_launch(tokens, tuning=tuning))
-    return MoePlan(tokens, P, gate_up, down, *dot, dense, dense_rows, decode_mma, dense_tile(target, tuning),
-                   tuning.dense_tma and target.tma, route, rotate, epilogue_launch(P, tuning.act_rows, tuning), combine)
+    return MoePlan(tokens, P, gate_up, down, *dot, dense, dense_rows, decode_mma,
+                   dense_tile(target, tuning) if dense else tuning.dense, tuning.dense_tma and target.tma, route, rotate,
+                   epilogue_launch(P, tuning.act_rows, tuning), combine)
