@@ -209,7 +209,7 @@ def main(argv=None):
     if not args.no_stock:
         from stock import load_stock
         from stock_moe import Stock
-        stock = Stock(load_stock(), experts, K, CODEBOOK, dev)
+        stock = Stock(load_stock(), experts, K, CODEBOOK, dev, TOPK)
     dense = None
     if max(args.tokens) >= 1024:
         g = torch.Generator(device=dev).manual_seed(1)

@@ -80,7 +80,7 @@ def tier_plan(count: list, experts: int, fused_rows: int, mul1: bool, cap: int) 
 class Stock:
     """exllamav3's MoE paths over one set of experts (pointer tables into xmoe's stacked tensors)."""
 
-    def __init__(self, ext, experts, K: float, codebook: str, dev):
+    def __init__(self, ext, experts, K: float, codebook: str, dev, top_k: int = 6):
         self.ext, self.dev, self.K, self.experts = ext, dev, float(K), experts
         self.E, self.H, self.I = experts.count, experts.hidden, experts.intermediate
         self.mcg, self.mul1 = codebook == "mcg", codebook == "mul1"  # exllamav3's flags (both off: 3INST)
@@ -88,7 +88,7 @@ class Stock:
         self.cap = recon_cap(self.H, self.I)
         self.tables = self._tables(experts)
         h = lambda *s, dt=torch.half: torch.empty(s, dtype=dt, device=dev)  # noqa: E731
-        S = 8 * 6
+        S = 8 * top_k  # the decode kernels' scratch slots: 8 tokens
         self.coop = (h(S, self.H), h(S, self.H), h(S, self.I), h(S, self.I), h(S, self.I), h(S, self.H, dt=torch.float))
         self.coop_out = h(8, self.H, dt=torch.float)
         self.ctr = torch.zeros(S * (self.I // 128) + 8 * (self.H // 128) + 2 + (S + 1) + S, dtype=torch.int, device=dev)
