@@ -1,9 +1,9 @@
 """Timing helpers shared by the kernel benchmarks: CUDA-graph replay timing, eager timing (one call at a time or
-back to back), copy bandwidth, ops settings to time against."""
+back to back), copy bandwidth, launch settings (Tuning) from the command line, and what a --json file says of its
+run."""
 import ast
 import sys
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -95,21 +95,47 @@ def row(cells, widths) -> str:
     return " ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
 
 
-def settings(pairs: list):
-    """A maker of context managers that set ops attributes from ["NAME=VALUE", ...] (Python literals, else
-    strings) and restore them; None for no pairs."""
+def tuning_of(pairs: list, base=None):
+    """A Tuning from ["FIELD=VALUE", ...] over `base` (the device's, else the default): values are Python literals,
+    a tile's field is written TILE.FIELD (gemv.BK=32), and fill=N sets every grouped tile's fill. None for no pairs;
+    an unknown field stops the run at once."""
+    from dataclasses import replace
+
+    from xmoe.kernels.tuning import DEFAULT, Tile, Tuning
     if not pairs:
         return None
-    from xmoe.kernels import ops
-
-    values = {}
+    tuning = base or DEFAULT
     for pair in pairs:
-        name, _, value = pair.partition("=")
-        if not hasattr(ops, name):
-            raise SystemExit(f"--versus: xmoe.kernels.ops has no setting {name!r}")
+        name, _, text = pair.partition("=")
         try:
-            values[name] = ast.literal_eval(value)
+            value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
-            values[name] = value  # DECODER=gather
+            value = text  # decoder=gather
+        tile, _, field = name.partition(".")
+        try:
+            if name == "fill":
+                tuning = tuning.with_fill(int(value))
+            elif field:
+                if not isinstance(getattr(tuning, tile, None), Tile):
+                    raise ValueError(f"{tile!r} is not a tile")
+                tuning = replace(tuning, **{tile: replace(getattr(tuning, tile), **{field: value})})
+            else:
+                tuning = replace(tuning, **{name: getattr(Tuning.from_dict({name: value}), name)})
+        except (TypeError, ValueError) as e:
+            raise SystemExit(f"{pair}: {e}") from None
+    return tuning
 
-    return lambda: mock.patch.multiple(ops, **values)
+
+def run_info() -> dict:
+    """What a --json file says of its run: commit, date (UTC), GPU, torch and Triton."""
+    import datetime
+    import subprocess
+
+    import triton
+    root = Path(__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return dict(commit=commit + ("+changes" if dirty else ""), date=datetime.date.today().isoformat(),
+                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)

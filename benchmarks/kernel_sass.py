@@ -1,8 +1,8 @@
 """Static cost of the grouped EXL3 GEMM: compile it for sm_90 (no GPU needed: Triton ships ptxas and
 cuobjdump), then print registers, local-memory use and the SASS of the K loop per decoded weight and thread
 (grouped_gemv: per weight and row, for its one- and two-row loops). Arguments are aligned as at V4.1 shapes,
-which decides how Triton vectorises the loads. With --mma: the same for gluon_mma's grouped_mma (at
-ops.MMA_MAXNREG, and in the "rows" regime at ops.ROWS_MAXNREG) and decode_weights at K = 1-4 (and 1.5, 2.5,
+which decides how Triton vectorises the loads. With --mma: the same for gluon_mma's grouped_mma (at the
+tuning's registers for two streams, one, and chunks of 32 rows) and decode_weights at K = 1-4 (and 1.5, 2.5,
 3.5 for mul1). With --viterbi: the fp16-pair Viterbi's step loop at K = 2, 3, 4, per candidate (65,536 a step).
 
     python benchmarks/kernel_sass.py [--arch 90] [--codebook mcg] [--mma | --viterbi]
@@ -19,7 +19,9 @@ from triton.backends.compiler import GPUTarget
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 from cubins import compile_gluon, cuobjdump, resources  # noqa: E402
-from xmoe.kernels import ops, triton_exl3, triton_gemv  # noqa: E402
+from xmoe.kernels import triton_gemm, triton_gemv  # noqa: E402
+from xmoe.kernels.launch import CODEBOOK_ID  # noqa: E402
+from xmoe.kernels.tuning import DEFAULT  # noqa: E402
 ARGS = [("a0_ptr", "*fp16"), ("a1_ptr", "*fp16"), ("chunk_pos_ptr", "*i32"), ("chunk_len_ptr", "*i32"),
         ("chunk_expert_ptr", "*i32"), ("n_chunks_ptr", "*i32"), ("t0_ptr", "*i32"), ("t1_ptr", "*i32"),
         ("table_ptr", "*i32"), ("p0_ptr", "*fp32"), ("p1_ptr", "*fp32"), ("P", "i32"), ("k", "i32"), ("n", "i32"),
@@ -33,12 +35,14 @@ GEMV_ARGS = [("a0_ptr", "*fp32"), ("a1_ptr", "*fp32"), ("chunk_pos_ptr", "*i32")
 
 
 def variants():
-    """(name, BM, BN, BK, warps, stages, dual, tiled, swap, gemv): ops' tuned launches per regime and decoder,
-    single and dual (gate+up)."""
-    for (regime, tiled), (BM, BK, BN, warps, stages) in ops.TUNED.items():
+    """(name, BM, BN, BK, warps, stages, dual, tiled, swap, gemv): the default tuning's tiles of grouped_gemm and
+    grouped_gemv, single and dual (gate+up)."""
+    for field in ("gemv", "dot_decode", "dot_prefill", "gather_decode", "gather_prefill"):
+        t = getattr(DEFAULT, field)
         for dual in (False, True):
-            name = f"{regime}{' dual' if dual else ''} {'tiled' if tiled else 'gather'}"
-            yield name, BM, BN, BK, warps, stages, dual, tiled, tiled and regime in ops.SWAP_AB, regime == "gemv"
+            name = f"{field}{' dual' if dual else ''}"
+            yield name, t.BM, t.BN, t.BK, t.warps, t.stages, dual, not field.startswith("gather"), t.swap, \
+                field == "gemv"
 
 
 def compile_variant(arch, BM, BN, BK, warps, stages, dual, tiled, swap=False, gemv=False, K=2, CB=1):
@@ -49,7 +53,7 @@ def compile_variant(arch, BM, BN, BK, warps, stages, dual, tiled, swap=False, ge
     else:
         consts = dict(W=8 * K, CB=CB, DUAL=dual, BM=BM, BN=BN, BK=BK, SPLIT=1, TILED=tiled,
                       KLOG=K.bit_length() - 1, SWAP=swap, ASM=True)
-        fn, args = triton_exl3.grouped_gemm, ARGS
+        fn, args = triton_gemm.grouped_gemm, ARGS
     sig = dict(args, **{c: "constexpr" for c in consts})
     aligned = {(i,): [["tt.divisibility", 16]] for i, (name, _) in enumerate(args)  # as at V4.1 shapes
                if name.endswith("_ptr") or name in ("k", "n", "stride_te")}
@@ -99,34 +103,35 @@ def viterbi(arch: int, warps: int = 16) -> None:
 
 
 def gluon_kernels(arch: int, codebook: str) -> None:
-    """grouped_mma (gate and up, and down alone) and decode_weights at ops' launch settings."""
+    """grouped_mma (gate and up, and down alone) and decode_weights at the default tuning's launch settings."""
     from xmoe.kernels import gluon_mma
 
-    _, BK, BN, warps, _ = ops.TUNED["mma", True]
-    RM, RK, RN, _, _ = ops.TUNED["rows", True]  # the same warps
+    t = DEFAULT
+    BK, BN, warps = t.mma_decode.BK, t.mma_decode.BN, t.mma_decode.warps
+    RM, RK, RN = t.mma_prefill.BM, t.mma_prefill.BK, t.mma_prefill.BN  # the same warps
     mma_args = {**dict(ARGS[:8]), "p0_ptr": "*fp32", "p1_ptr": "*fp32", **dict(ARGS[11:]), "mask": "i32"}
     mma_args.update(a0_ptr="*i32", a1_ptr="*i32")  # doubled fp16
     del mma_args["n"]  # a constexpr of grouped_mma
     decode_args = {"t_ptr": "*i32", "expert_ptr": "*i32", "out_ptr": "*fp16", "k": "i32", "n": "i32",
                    "stride_te": "i32", "mask": "i32"}
-    CB = ops.CODEBOOK_ID[codebook]
+    CB = CODEBOOK_ID[codebook]
     print(f"gluon_mma, {codebook}, sm_{arch}, Triton {triton.__version__}, BN={BN} BK={BK} warps={warps}")
     for K in (1, 2, 3, 4) + ((1.5, 2.5, 3.5) if codebook == "mul1" else ()):
-        # n: V4.1's gate and up; IDP: the states ops takes by dp2a
-        mma = dict(n=1152, W=int(8 * K), CB=CB, SPLIT=1, PAIR=False, IDP=ops._mma_idp(int(8 * K), CB, False))
+        # n: V4.1's gate and up; IDP: the states the launcher takes by dp2a
+        mma = dict(n=1152, W=int(8 * K), CB=CB, SPLIT=1, PAIR=False, IDP=t.idp(int(8 * K), codebook))
         for name, fn, args, consts, registers in (
                 ("grouped_mma dual", gluon_mma.grouped_mma, mma_args,
-                 dict(mma, DUAL=True, BN=BN, BK=BK, ROWS=8, UNROLL=ops.MMA_UNROLL[0]), ops.MMA_MAXNREG[0]),
+                 dict(mma, DUAL=True, BN=BN, BK=BK, ROWS=8, UNROLL=t.mma_unroll_two), t.mma_registers_two),
                 ("grouped_mma pair", gluon_mma.grouped_mma, mma_args,
-                 dict(mma, DUAL=False, BN=BN, BK=BK, ROWS=8, UNROLL=ops.MMA_UNROLL[0], PAIR=True), ops.MMA_MAXNREG[0]),
+                 dict(mma, DUAL=False, BN=BN, BK=BK, ROWS=8, UNROLL=t.mma_unroll_two, PAIR=True), t.mma_registers_two),
                 ("grouped_mma", gluon_mma.grouped_mma, mma_args,
-                 dict(mma, DUAL=False, BN=BN, BK=BK, ROWS=8, UNROLL=ops.MMA_UNROLL[1]), ops.MMA_MAXNREG[1]),
+                 dict(mma, DUAL=False, BN=BN, BK=BK, ROWS=8, UNROLL=t.mma_unroll_one), t.mma_registers_one),
                 ("grouped_mma rows", gluon_mma.grouped_mma, mma_args,
-                 dict(mma, DUAL=False, BN=RN, BK=RK, ROWS=RM, UNROLL=1, IDP=ops._mma_idp(int(8 * K), CB, True)),
-                 ops.ROWS_MAXNREG),
+                 dict(mma, DUAL=False, BN=RN, BK=RK, ROWS=RM, UNROLL=1, IDP=0), t.mma_registers_wide),
                 ("decode_weights", gluon_mma.decode_weights, decode_args,
                  dict(W=int(8 * K), CB=CB, BN=128, BK=32, STEPS=8, MUL1_H=CB == 2), 0)):
-            kernel = compile_gluon(fn, args, consts, arch, num_warps=warps, **ops._maxnreg(registers))
+            kernel = compile_gluon(fn, args, consts, arch, num_warps=warps,
+                                   **({"maxnreg": registers} if registers else {}))
             cubin = kernel.asm["cubin"]
             usage = resources(cubin)
             counts = max(loop_ops(cuobjdump(cubin, "-sass")), key=lambda c: sum(c.values()))
@@ -142,7 +147,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--viterbi", action="store_true", help="the fp16-pair Viterbi instead of the GEMM kernels")
-    p.add_argument("--mma", action="store_true", help="gluon_mma's kernels instead of triton_exl3's")
+    p.add_argument("--mma", action="store_true", help="gluon_mma's kernels instead of triton_gemm's")
     p.add_argument("--codebook", choices=("3inst", "mcg", "mul1"), default="mcg")
     args = p.parse_args()
     if args.viterbi:
@@ -152,7 +157,7 @@ def main():
     print(f"grouped_gemm, K=2 {args.codebook}, sm_{args.arch}, Triton {triton.__version__}")
     for name, BM, BN, BK, warps, stages, dual, tiled, swap, gemv in variants():
         kernel = compile_variant(args.arch, BM, BN, BK, warps, stages, dual, tiled, swap, gemv,
-                                 CB=ops.CODEBOOK_ID[args.codebook])
+                                 CB=CODEBOOK_ID[args.codebook])
         cubin = kernel.asm["cubin"]
         usage = resources(cubin)
         loops = loop_ops(cuobjdump(cubin, "-sass"))

@@ -3,11 +3,12 @@ autotuned before timing) and a bf16 matmul, at 1-8 and 1,024+ rows, K 2/3/4, MCG
 to 512 rows, L2 flushed. With --layers N each timing runs N layers of distinct weights in a row (one graph) and
 reports the time a layer: a graph of one small call is mostly its own launch, where a model's graph holds them all.
 With --merged, layers that read one input (q, k, v; gate, up): each alone, and as one exl3_linear_slices call,
-against exllamav3 running them as it does at decode (one sliced exl3_mgemm) and one at a time. With --versus,
-ours is timed again under other ops settings, just after the default's, in the same process.
+against exllamav3 running them as it does at decode (one sliced exl3_mgemm) and one at a time. --set measures other
+launch settings (Tuning fields); with --versus, ours is timed again under other settings, just after the default's,
+in the same process.
 
     python benchmarks/linear_kernel.py [--rows 1 4 8 1024 4096] [--layers 1] [--merged] [--no-stock]
-                                       [--versus SPLIT_MOST=48] [--json F]
+                                       [--set FIELD=VALUE ...] [--versus split_most=48] [--json F]
 """
 import argparse
 import json
@@ -20,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 from cases import random_weight  # noqa: E402
-from common import copy_bandwidth, ptrs, row, settings, time_eager, time_graph  # noqa: E402
+from common import copy_bandwidth, ptrs, row, run_info, time_eager, time_graph, tuning_of  # noqa: E402
 
 from xmoe.kernels import ops  # noqa: E402
 from xmoe.kernels.weights import Exl3Slices  # noqa: E402
@@ -31,12 +32,14 @@ MERGED = [(4096, (8192, 512, 512)), (5120, (8192, 1024, 1024)), (5120, (2304, 23
 EAGER_ROWS = 512  # from here ours is timed eagerly, as vLLM runs batches beyond its CUDA-graph sizes
 
 
-def case(ext, k, n, K, M, bw, dev, codebook, layers=1, versus=None):
+def case(ext, k, n, K, M, bw, dev, codebook, layers=1, versus=None, tuning=None):
     ws = [random_weight(k, n, K, codebook, seed=i, device=dev) for i in range(layers)]
     w = ws[0]
     x = torch.randn(M, k, device=dev, dtype=torch.half)
     timer = time_eager if M >= EAGER_ROWS else time_graph
-    call = lambda: [ops.exl3_linear(x, wi, backend="triton") for wi in ws]  # noqa: E731
+    def ours_call(t=tuning):
+        return lambda: [ops.exl3_linear(x, wi, backend="triton", tuning=t) for wi in ws]
+    call = ours_call()
     ours = timer(call) / layers
     nbytes = w.trellis.numel() * 2
     dense = [torch.randn(k, n, device=dev, dtype=torch.bfloat16) for _ in ws]
@@ -45,10 +48,9 @@ def case(ext, k, n, K, M, bw, dev, codebook, layers=1, versus=None):
              ours_pct_bw=100 * nbytes / ours / bw, ours_tweights=k * n / ours / 1e12,
              bf16_us=time_graph(lambda: [xb @ d for d in dense]) / layers * 1e6)
     if versus:
-        base = call()[0].float()
-        with versus():
-            r["versus_us"] = timer(call) / layers * 1e6
-            r["versus_diff"] = float((call()[0].float() - base).abs().max() / base.abs().max())
+        base, other = call()[0].float(), ours_call(versus)
+        r["versus_us"] = timer(other) / layers * 1e6
+        r["versus_diff"] = float((other()[0].float() - base).abs().max() / base.abs().max())
     if ext is not None:
         y, xh = torch.empty(M, n, device=dev, dtype=torch.half), torch.empty_like(x)
         mcg, mul1 = codebook == "mcg", codebook == "mul1"  # exllamav3's codebook flags (both off: 3INST)
@@ -63,7 +65,7 @@ def case(ext, k, n, K, M, bw, dev, codebook, layers=1, versus=None):
             except Exception:
                 t = time_eager(stock_fn) / layers
             stock_fn(ws[:1])  # y: the first layer's output again, for the comparison
-            got = ops.exl3_linear(x, w, backend="triton").float()
+            got = ops.exl3_linear(x, w, backend="triton", tuning=tuning).float()
             r.update(stock_us=t * 1e6, speedup=t / ours,
                      max_rel_diff=float((got - y.float()).abs().max() / y.float().abs().max()))
         except Exception as e:
@@ -96,25 +98,29 @@ def stock_sliced(ext, layers, x, codebook):
     return call, outs
 
 
-def merged_case(ext, k, widths, K, M, dev, codebook, layers=1, versus=None):
+def merged_case(ext, k, widths, K, M, dev, codebook, layers=1, versus=None, tuning=None):
     sets = [[random_weight(k, n, K, codebook, seed=10 * i + j, device=dev) for j, n in enumerate(widths)]
             for i in range(layers)]
     slices = [Exl3Slices.of(s) for s in sets]
     x = torch.randn(M, k, device=dev, dtype=torch.half)
-    apart = time_graph(lambda: [ops.exl3_linear(x, w, backend="triton") for s in sets for w in s]) / layers
-    call = lambda: [ops.exl3_linear_slices(x, s, backend="triton") for s in slices]  # noqa: E731
+    apart = time_graph(lambda: [ops.exl3_linear(x, w, backend="triton", tuning=tuning) for s in sets for w in s]) \
+        / layers
+
+    def merged_call(t=tuning):
+        return lambda: [ops.exl3_linear_slices(x, s, backend="triton", tuning=t) for s in slices]
+    call = merged_call()
     merged = time_graph(call) / layers
     dense = [torch.randn(k, sum(widths), device=dev, dtype=torch.bfloat16) for _ in sets]
     xb = x.bfloat16()
-    ours = ops.exl3_linear_slices(x, slices[0], backend="triton").float()
-    apart_out = torch.cat([ops.exl3_linear(x, w, backend="triton") for w in sets[0]], 1).float()
+    ours = ops.exl3_linear_slices(x, slices[0], backend="triton", tuning=tuning).float()
+    apart_out = torch.cat([ops.exl3_linear(x, w, backend="triton", tuning=tuning) for w in sets[0]], 1).float()
     r = dict(k=k, widths=widths, K=K, rows=M, layers=layers, apart_us=apart * 1e6, merged_us=merged * 1e6,
              merged_vs_apart=float((ours - apart_out).abs().max() / apart_out.abs().max()),
              bf16_us=time_graph(lambda: [xb @ d for d in dense]) / layers * 1e6)
     if versus:
-        with versus():
-            r["versus_us"] = time_graph(call) / layers * 1e6
-            r["versus_diff"] = float((call()[0].float() - ours).abs().max() / ours.abs().max())
+        other = merged_call(versus)
+        r["versus_us"] = time_graph(other) / layers * 1e6
+        r["versus_diff"] = float((other()[0].float() - ours).abs().max() / ours.abs().max())
     if ext is None:
         return r
     try:
@@ -139,7 +145,7 @@ def merged_case(ext, k, widths, K, M, dev, codebook, layers=1, versus=None):
     return r
 
 
-def merged_table(ext, args, dev, versus=None) -> list:
+def merged_table(ext, args, dev) -> list:
     widths = (24, 3, 5, 9, 9, 9, 9, 8, 8, 9, 9)
     print(row(("k -> widths", "K", "rows", "stock 1by1", "stock mg", "ours 1by1", "ours mg", "speedup", "bf16 us",
                "vs stock", "vs 1by1"), widths))
@@ -147,7 +153,7 @@ def merged_table(ext, args, dev, versus=None) -> list:
     for k, outs in MERGED:
         for K in args.bits:
             for M in args.rows:
-                r = merged_case(ext, k, outs, K, M, dev, args.codebook, args.layers, versus)
+                r = merged_case(ext, k, outs, K, M, dev, args.codebook, args.layers, args.versus_tuning, args.tuning)
                 results.append(dict(r, codebook=args.codebook))
                 print(row((f"{k}->{'/'.join(map(str, outs))}", f"{K:g}", M, f"{r.get('stock_apart_us', 0):.1f}",
                            f"{r.get('stock_sliced_us', 0):.1f}", f"{r['apart_us']:.1f}", f"{r['merged_us']:.1f}",
@@ -160,7 +166,7 @@ def merged_table(ext, args, dev, versus=None) -> list:
     return results
 
 
-def main():
+def arguments(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 1024, 4096])
     p.add_argument("--bits", type=float, nargs="+", default=[2, 3, 4])
@@ -168,23 +174,19 @@ def main():
     p.add_argument("--no-stock", action="store_true")
     p.add_argument("--merged", action="store_true", help="layers reading one input (MERGED), apart and sliced")
     p.add_argument("--codebook", choices=("3inst", "mcg", "mul1"), default="mcg")
-    p.add_argument("--decoder", choices=("gather", "tiled"), default=ops.DECODER)
-    p.add_argument("--gemv-rows", type=float, default=ops.GEMV_ROWS,
-                   help="rows up to which tiled launches take grouped_gemv (ops.GEMV_ROWS; 0: never)")
-    p.add_argument("--mma-rows", type=float, default=ops.MMA_ROWS,
-                   help="rows up to which grouped_mma takes the call (ops.MMA_ROWS; 0: never)")
-    p.add_argument("--rows-mma", type=float, default=ops.ROWS_MMA,
-                   help="rows up to which grouped_mma takes the call in chunks of 32 (ops.ROWS_MMA; 0: never)")
-    p.add_argument("--fill", type=int, help="programs a multiprocessor the K split aims for, every regime (ops.FILL)")
-    p.add_argument("--versus", nargs="+", metavar="ATTR=VALUE", default=[],
-                   help="also time ours with these ops settings (e.g. SPLIT_MOST=48), just after the default's")
+    p.add_argument("--set", nargs="+", metavar="FIELD=VALUE", default=[],
+                   help="launch settings to measure instead of the device's (Tuning fields; a tile's as gemv.BK=32)")
+    p.add_argument("--versus", nargs="+", metavar="FIELD=VALUE", default=[],
+                   help="also time ours with these settings (e.g. split_most=48), just after the default's")
     p.add_argument("--json")
-    args = p.parse_args()
-    ops.DECODER, ops.GEMV_ROWS, ops.MMA_ROWS = args.decoder, args.gemv_rows, args.mma_rows
-    ops.ROWS_MMA = args.rows_mma
-    if args.fill:
-        ops.FILL = dict.fromkeys(ops.FILL, args.fill)
-    versus = settings(args.versus)  # before any GPU work: a bad name stops the run at once
+    args = p.parse_args(argv)
+    args.tuning = tuning_of(args.set)
+    args.versus_tuning = tuning_of(args.versus, args.tuning)  # before any GPU work: a bad name stops the run at once
+    return args
+
+
+def main(argv=None):
+    args = arguments(argv)
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s; {args.layers} layer(s) a timing")
@@ -193,9 +195,9 @@ def main():
         from stock import load_stock
         ext = load_stock()
     if args.merged:
-        results = merged_table(ext, args, dev, versus)
+        results = merged_table(ext, args, dev)
         if args.json:
-            Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), merged=results), indent=1))
+            Path(args.json).write_text(json.dumps(dict(run_info(), merged=results), indent=1))
         return
     widths = (11, 3, 5, 9, 9, 8, 7, 6, 6, 9, 8)
     print(row(("k x n", "K", "rows", "stock us", "ours us", "speedup", "GB/s", "%bw", "Tw/s", "bf16 us", "rel diff"),
@@ -204,7 +206,7 @@ def main():
     for k, n in SHAPES:
         for K in args.bits:
             for M in args.rows:
-                r = case(ext, k, n, K, M, bw, dev, args.codebook, args.layers, versus)
+                r = case(ext, k, n, K, M, bw, dev, args.codebook, args.layers, args.versus_tuning, args.tuning)
                 results.append(dict(r, codebook=args.codebook))
                 print(row((f"{k}x{n}", f"{K:g}", M, f"{r.get('stock_us', 0):.1f}", f"{r['ours_us']:.1f}",
                            f"{r.get('speedup', 0):.2f}", f"{r['ours_gbs']:.0f}", f"{r['ours_pct_bw']:.1f}",
@@ -215,8 +217,8 @@ def main():
                 if "versus_us" in r:
                     print(f"  {' '.join(args.versus)}: ours {r['versus_us']:.1f} us (diff {r['versus_diff']:.1e})")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), copy_gbs=bw / 1e9,
-                                                   cases=results), indent=1))
+        Path(args.json).write_text(json.dumps(dict(run_info(), copy_gbs=bw / 1e9, settings=args.set, cases=results),
+                                              indent=1))
 
 
 if __name__ == "__main__":

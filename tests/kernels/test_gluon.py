@@ -17,9 +17,10 @@ gluon = pytest.importorskip("triton.experimental.gluon")
 sys.path.insert(0, str(Path(__file__).parent))
 from cubins import compile_gluon, resources  # noqa: E402
 
-from xmoe.kernels import ops  # noqa: E402
-from xmoe.kernels import gluon_mma, triton_exl3  # noqa: E402
+from xmoe.kernels import gluon_mma, triton_codebook  # noqa: E402
 from xmoe.kernels.gluon_mma import decode_weights, grouped_mma  # noqa: E402
+from xmoe.kernels.launch import CODEBOOK_ID  # noqa: E402
+from xmoe.kernels.tuning import DEFAULT  # noqa: E402
 
 
 def funnel(lo: int, hi: int, shift: int) -> int:
@@ -84,7 +85,7 @@ def test_mul1_codewords_match_the_format():
     weight = (fp16(h) * fp16(0x1EEE) + fp16(0xC931)).astype(np.float16)
     assert np.array_equal(weight.view(np.uint16), codebook_table("mul1").view(torch.int16).numpy().view(np.uint16))
     # grouped_mma leaves the FMA to the epilogue, whose constants are the same two fp16 values
-    assert (triton_exl3.MUL1_K_INV.value, triton_exl3.MUL1_K_BIAS.value) == (fp16(0x1EEE), fp16(0xC931))
+    assert (triton_codebook.MUL1_K_INV.value, triton_codebook.MUL1_K_BIAS.value) == (fp16(0x1EEE), fp16(0xC931))
 
 
 def test_tile_order_gives_rows_and_columns():
@@ -104,25 +105,31 @@ SCALARS = {"P": "i32", "k": "i32", "stride_te": "i32", "mask": "i32"}
 
 
 def registers(TWO: bool, ROWS: int) -> int:
-    """The registers ops gives a grouped_mma launch (0: the compiler's choice) of two streams (gate and up, or a
-    pair of column blocks) or one."""
-    return ops.ROWS_MAXNREG if ROWS > 8 else ops.MMA_MAXNREG[not TWO]
+    """The registers the launcher gives a grouped_mma launch (0: the compiler's choice) of two streams (gate and
+    up, or a pair of column blocks) or one."""
+    return DEFAULT.mma_registers_wide if ROWS > 8 else DEFAULT.mma_registers_two if TWO else DEFAULT.mma_registers_one
 
 
 def unroll(TWO: bool, ROWS: int) -> int:
-    """The K steps a loop iteration ops gives a grouped_mma launch."""
-    return 1 if ROWS > 8 else ops.MMA_UNROLL[not TWO]
+    """The K steps a loop iteration the launcher gives a grouped_mma launch."""
+    return 1 if ROWS > 8 else DEFAULT.mma_unroll_two if TWO else DEFAULT.mma_unroll_one
+
+
+def idp(K: float, CB: int, ROWS: int) -> int:
+    """The states the launcher has grouped_mma take by dp2a (none in chunks wider than 8 rows)."""
+    return 0 if ROWS > 8 else DEFAULT.idp(int(8 * K), {v: k for k, v in CODEBOOK_ID.items()}[CB])
 
 
 def compiled(K: int, CB: int, DUAL: bool, BN: int, BK: int, arch: int, ROWS: int = 8, PAIR: bool = False):
     const = dict(n=1152, W=int(8 * K), CB=CB, DUAL=DUAL, BN=BN, BK=BK, SPLIT=1, ROWS=ROWS,
-                 UNROLL=unroll(DUAL or PAIR, ROWS), PAIR=PAIR, IDP=ops._mma_idp(int(8 * K), CB, ROWS > 8))
+                 UNROLL=unroll(DUAL or PAIR, ROWS), PAIR=PAIR, IDP=idp(K, CB, ROWS))
+    registers_ = registers(DUAL or PAIR, ROWS)
     return compile_gluon(grouped_mma, {**POINTERS, **SCALARS}, const, arch, num_warps=4,
-                         **ops._maxnreg(registers(DUAL or PAIR, ROWS)))
+                         **({"maxnreg": registers_} if registers_ else {}))
 
 
-ROWS_TILE = ops.TUNED["rows", True]  # the "rows" regime's (BM, BK, BN, warps, stages)
-MID_TILE = ops.TUNED["mid", True]  # dense layers of 9-16 rows: the same kernel at another tile
+ROWS_TILE = DEFAULT.mma_prefill  # grouped_mma in chunks of 32 rows
+MID_TILE = DEFAULT.mma_mid  # dense layers of 9-16 rows: the same kernel at another tile
 
 
 @pytest.mark.parametrize("K, CB, DUAL, BN, BK, arch, ROWS, PAIR", [(*case, False) for case in [
@@ -132,16 +139,16 @@ MID_TILE = ops.TUNED["mid", True]  # dense layers of 9-16 rows: the same kernel 
     (3, 0, False, 128, 32, 90, 8), (2, 2, True, 128, 32, 90, 8), (3, 2, False, 128, 32, 90, 8),
     (4, 2, True, 128, 32, 80, 8), (2.5, 2, True, 128, 32, 90, 8), (3.5, 2, False, 128, 32, 90, 8),
     (1.5, 2, False, 128, 32, 90, 8)] +
-    [(K, CB, False, ROWS_TILE[2], ROWS_TILE[1], 90, ROWS_TILE[0]) for K, CB in ((2, 1), (2, 2), (3, 1), (4, 0),
+    [(K, CB, False, ROWS_TILE.BN, ROWS_TILE.BK, 90, ROWS_TILE.BM) for K, CB in ((2, 1), (2, 2), (3, 1), (4, 0),
                                                                                (2.5, 2), (3, 2))] +
-    [(K, CB, False, MID_TILE[2], MID_TILE[1], 90, MID_TILE[0]) for K, CB in ((2, 1), (3, 2), (4, 0), (1.5, 2))]] +
+    [(K, CB, False, MID_TILE.BN, MID_TILE.BK, 90, MID_TILE.BM) for K, CB in ((2, 1), (3, 2), (4, 0), (1.5, 2))]] +
     [(K, CB, False, 128, 32, 90, 8, True) for K, CB in ((2, 1), (2, 2), (3, 1), (4, 0), (1, 1), (2.5, 2), (3.5, 2))] +
     # workstation and Blackwell GPUs: Ampere and Ada (sm_86, sm_89), sm_100 and sm_120 (RTX 50 series)
     [(2, 1, True, 128, 32, arch, 8, False) for arch in (86, 89, 100, 120)] + [(3, 2, False, 128, 32, 120, 8, True)])
 def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, ROWS, PAIR):
     kernel = compiled(K, CB, DUAL, BN, BK, arch, ROWS, PAIR)
     assert kernel.metadata.shared == 0, "a decoded weight went through shared memory"
-    usage = resources(kernel.asm["cubin"])  # within ops' register limit, nothing spilled
+    usage = resources(kernel.asm["cubin"])  # within the launcher's register limit, nothing spilled
     two = DUAL or PAIR
     assert usage["REG"] <= (registers(two, ROWS) or 255) and usage["STACK"] == usage["LOCAL"] == 0, usage
     ptx = kernel.asm["ptx"]
@@ -150,10 +157,9 @@ def test_grouped_mma_compiles_without_shared_memory(K, CB, DUAL, BN, BK, arch, R
         "one MMA per 16 doubled K rows, warp tile and 8 rows, in each K step of the code (unrolled: 1 + 2)"
     assert "shfl.sync.idx.b32" in ptx and "ld.shared" not in ptx
     assert ("prmt.b32" in ptx) == (K == 2), "at K = 2 the byte-aligned states are picked by PRMT"
-    assert ("dp2a.lo.u32.u32" in ptx) == (ops._mma_idp(int(8 * K), CB, ROWS > 8) != 0), \
-        "ops.MMA_IDP's states are taken by dp2a"
+    assert ("dp2a.lo.u32.u32" in ptx) == (idp(K, CB, ROWS) != 0), "the tuning's mma_idp states are taken by dp2a"
     assert ("dp4a.u32.u32" in ptx) == (CB == 2), "mul1's byte sum"
-    assert "fma.rn.f16x2" not in ptx, "mul1's fp16 FMA is the epilogue's (triton_exl3.mul1_affine)"
+    assert "fma.rn.f16x2" not in ptx, "mul1's fp16 FMA is the epilogue's (triton_epilogues.mul1_affine)"
 
 
 def test_pair_loads_its_rows_once():

@@ -14,6 +14,12 @@ MCG_MULT = 0xCBAC1FED
 MUL1_MULT = 0x83DCD12D
 INST3_MULT, INST3_ADD = 89226354, 64248484
 MARKER_VALUE = {"mcg": MCG_MULT - (1 << 32), "mul1": MUL1_MULT - (1 << 32)}
+# 3INST and MCG: the product masked and flipped into two fp16 halves in ±[0.125, 2), whose sum is the weight.
+HALVES_MASK, HALVES_XOR = 0x8FFF8FFF, 0x3B603B60
+# mul1: the fp16 FMA (1024 + the product's byte sum) k_inv + k_bias, k_inv 0x1EEE and k_bias 0xC931 as fp16 bits;
+# exact in fp32 as b k_inv + MUL1_BIAS for the byte sum b.
+MUL1_K_INV, MUL1_K_BIAS = 0.00676727294921875, -10.3828125
+MUL1_BIAS = 1024 * MUL1_K_INV + MUL1_K_BIAS  # -3.453125
 
 # Every codebook is quantized against a target std of 1.24371088 (the 3INST std); mul1 (std 1.0) is
 # rescaled through the searched global scale.
@@ -28,7 +34,7 @@ def check_codebook(codebook: str) -> str:
 
 def _half_sum(x: torch.Tensor) -> torch.Tensor:
     """3INST/MCG tail: mask and xor into two fp16 halves in ±[0.125, 2), summed with one fp16 rounding."""
-    x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+    x = (x & HALVES_MASK) ^ HALVES_XOR
     lo = (x & 0xFFFF).to(torch.int16)  # wraps to the same 16 bits
     hi = (x >> 16).to(torch.int16)
     return lo.view(torch.float16) + hi.view(torch.float16)
@@ -36,8 +42,7 @@ def _half_sum(x: torch.Tensor) -> torch.Tensor:
 
 def _mul1(x: torch.Tensor) -> torch.Tensor:
     b = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
-    # hfma(1024 + b, 0x1EEE, 0xC931): exact in fp32, then one rounding to fp16.
-    return (b.to(torch.float32) * 0.00676727294921875 - 3.453125).to(torch.float16)
+    return (b.to(torch.float32) * MUL1_K_INV + MUL1_BIAS).to(torch.float16)  # exact in fp32, one rounding
 
 
 def codebook_values(states: torch.Tensor, codebook: str) -> torch.Tensor:

@@ -9,14 +9,14 @@ or one byte permute) and the codebook's IMAD and LOP3 remain, shared between the
 carries up to ROWS rows of one expert (the MMA's N), each decoded weight serving all of them; mul1 enters as
 its byte-sum word h beside a zero, the codebook's fp16 FMA left to the epilogue (codewords). 3INST, MCG and
 mul1 at K = 1, 2, 3, 4, mul1 at 1.5, 2.5, 3.5 (W = 8 K words a tile, bits a lane); K > 4 takes triton_gemv or
-triton_exl3. decode_weights decodes the same way for the dense path (experts with many rows, decoded once to
+triton_gemm. decode_weights decodes the same way for the dense path (experts with many rows, decoded once to
 fp16).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .triton_exl3 import MUL1_H_PTX
+from .triton_codebook import HALVES_XOR, INST3_ADD, INST3_MULT, MCG_MULT, MUL1_H_PTX, MUL1_MULT
 
 # tile_layout's axes in (row, column) order: kt, j, t, r0 (input row 16 kt + 8 j + 2 t + r0), then nt, c3, g
 TILE_ORDER = gl.constexpr((3, 4, 6, 5, 0, 1, 2))
@@ -101,7 +101,7 @@ def lane_states(lo, src, shift, lane, t, q, W: gl.constexpr, IDP: gl.constexpr):
     the 32 ending where state 7 does, each window one funnel shift of lo and the word before, or of the word after
     (another lane's, where the second window ends a word later) and lo; each state a constant shift of its window.
     IDP: a bit mask of the states q that sit in a top or bottom half and are taken from it by dp2a (`half`)
-    rather than by the integer pipe, to balance the two pipes (ops.MMA_IDP)."""
+    rather than by the integer pipe, to balance the two pipes (Tuning.mma_idp)."""
     idp = ((IDP >> q) & 1) == 1
     hi = from_lane(lo, src)
     if W != 8 and W != 16 and W != 32:
@@ -154,20 +154,20 @@ def codewords(state, mask, CB: gl.constexpr, MUL1_H: gl.constexpr):
     the format's halves; for mul1 (CB 2) the weight itself and a zero, by the format's arithmetic: dp4a gives the
     fp16 bits of h = 1024 + the product's byte sum, one fp16 FMA (k_inv 0x1EEE, k_bias 0xC931) the weight. With
     MUL1_H, mul1's word is h and a zero: the weight is h k_inv + k_bias, which the epilogue applies to the
-    products (triton_exl3.mul1_affine)."""
+    products (triton_epilogues.mul1_affine)."""
     if CB == 2:
         if MUL1_H:
-            return gl.inline_asm_elementwise(MUL1_H_PTX, "=r,r", [state * 0x83DCD12D], dtype=gl.uint32, is_pure=True,
+            return gl.inline_asm_elementwise(MUL1_H_PTX, "=r,r", [state * MUL1_MULT], dtype=gl.uint32, is_pure=True,
                                              pack=1)
         return gl.inline_asm_elementwise(
             "{ .reg .b32 m, z, h, k, c; mov.b32 m, 0x01010101; mov.b32 z, 0x6400; dp4a.u32.u32 h, $1, m, z; "
             "mov.b32 k, 0x1EEE1EEE; mov.b32 c, 0x0000C931; fma.rn.f16x2 $0, h, k, c; }", "=r,r",
-            [state * 0x83DCD12D], dtype=gl.uint32, is_pure=True, pack=1)
+            [state * MUL1_MULT], dtype=gl.uint32, is_pure=True, pack=1)
     if CB == 0:
-        x = state * 89226354 + 64248484
+        x = state * INST3_MULT + INST3_ADD
     else:
-        x = state * 0xCBAC1FED
-    return (x & mask) ^ 0x3B603B60
+        x = state * MCG_MULT
+    return (x & mask) ^ HALVES_XOR
 
 
 @gluon.jit
@@ -237,7 +237,7 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
                 p0_ptr, p1_ptr, P, k, n: gl.constexpr, stride_te, mask, W: gl.constexpr, CB: gl.constexpr,
                 DUAL: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, SPLIT: gl.constexpr, ROWS: gl.constexpr,
                 UNROLL: gl.constexpr, PAIR: gl.constexpr, IDP: gl.constexpr):
-    """grouped_gemv's contract (rotated rows as doubled fp16, triton_exl3.as_operand; chunks of up to ROWS
+    """grouped_gemv's contract (rotated rows as doubled fp16, triton_rotate.as_operand; chunks of up to ROWS
     rows, a multiple of 8: the MMA's N; fp32 partials per K split) on mma.sync. In each (chunk, column block,
     K split) program, warp w takes the 16 columns from 16 w of every 16 * warps. n is a constexpr, so the tiles'
     offsets within a K step are the loads' immediates (one address a projection and step, not one a row of tiles).
@@ -289,8 +289,7 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
     acc1 = gl.zeros([BN, ROWS], gl.float32, MMA)
     # the next step's words and rows are loaded before a step is decoded; UNROLL = 2: two steps an iteration, each
     # buffer used in turn, so no copies between iterations, and an odd count's last step after the loop, from the
-    # buffer the last prefetch filled (taken first, through a loop of one step that copied its buffers, it cost more
-    # than its share: on an H100, gate and up of 6 skewed tokens, 15 steps a program, 49.6 us against 48.8-48.9)
+    # buffer the last prefetch filled (taken first, it cost more than its share: docs/kernels.md, mma_unroll)
     lo0, x0, lo1, x1 = load_both(w0, w1, a0_ptr, a1_ptr, first, stride_step, lo_off, a_off, BK, TWO, PAIR)
     if UNROLL == 1:
         for step in range(first, last):
@@ -325,11 +324,11 @@ def grouped_mma(a0_ptr, a1_ptr, chunk_pos_ptr, chunk_len_ptr, chunk_expert_ptr, 
 @gluon.jit
 def decode_weights(t_ptr, expert_ptr, out_ptr, k, n, stride_te, mask, W: gl.constexpr, CB: gl.constexpr,
                    BN: gl.constexpr, BK: gl.constexpr, STEPS: gl.constexpr, MUL1_H: gl.constexpr):
-    """triton_exl3.decode_weights for grouped_mma's cases: out[i] = W-hat of expert expert[i] (program axis 2) as
+    """triton_gemm.decode_weights for grouped_mma's cases: out[i] = W-hat of expert expert[i] (program axis 2) as
     (k, n) fp16, STEPS blocks of (BK, BN) a program, each lane decoding its 8 weights of a tile as grouped_mma
     does (a weight: the sum of its codebook word's halves, in fp16 as the format has it; MUL1_H: mul1's h),
-    stored through shared memory as rows of 16 bytes a thread (2-byte stores from the lanes' registers were 2.3x
-    slower on the H200)."""
+    stored through shared memory as rows of 16 bytes a thread (2-byte stores from the lanes' registers were
+    slower: docs/kernels.md)."""
     warps: gl.constexpr = gl.num_warps()
     TN: gl.constexpr = BN // 16
     TK: gl.constexpr = BK // 16

@@ -61,7 +61,7 @@ def route(topk_ids: torch.Tensor, experts: int, BM: int, expert_map: torch.Tenso
 
 def small_route(topk_ids, experts, BM, expert_map) -> tuple:
     """route_small's outputs, allocated: (the Routing they make, the kernel's arguments, its constexprs), for
-    route_small itself or a launch that routes in one of its programs (triton_exl3.route_rotate)."""
+    route_small itself or a launch that routes in one of its programs (triton_rotate.route_rotate)."""
     import triton
     P, dev = topk_ids.numel(), topk_ids.device
     bound = chunk_bound(P, BM, experts)
@@ -83,9 +83,8 @@ def _route_small(topk_ids, experts, BM, expert_map) -> Routing:
 
 
 def _route_counted(topk_ids, experts, BM, expert_map) -> Routing:
-    """route() as a counting sort in two Triton launches (route_counts, route_scatter). A torch sort and two
-    launches took about 380 us of host time a prefill call when calls ran back to back, ahead of its one
-    synchronization."""
+    """route() as a counting sort in two Triton launches (route_counts, route_scatter): a torch sort cost prefill
+    calls run back to back much host time ahead of their one synchronization (docs/kernels.md)."""
     import triton
     from .triton_route import route_counts, route_scatter
     P, dev = topk_ids.numel(), topk_ids.device

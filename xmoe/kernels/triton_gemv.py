@@ -3,13 +3,14 @@ from the codebook straight into FMAs instead of through shared memory to the ten
 import triton
 import triton.language as tl
 
-from .triton_exl3 import codebook_halves, codebook_operand, load_words, tile_offsets, tile_states
+from .triton_codebook import codebook_halves, codebook_operand
+from .triton_decode import load_words, tile_offsets, tile_states
 
 
 @triton.jit
 def codebook_fp32(state, mask, CB: tl.constexpr, ASM: tl.constexpr):
     """codebook_fp16's values in fp32, for CUDA-core products; at mul1 h (codebook_operand), the FMA left to the
-    epilogue. `mask` is 0x8FFF8FFF passed as an argument, so ptxas reads it from the constant bank rather than
+    epilogue. `mask` is HALVES_MASK passed as an argument, so ptxas reads it from the constant bank rather than
     re-materialising it for every weight; ASM adds the two fp16 halves of a register in one instruction and
     widens the sum, or takes mul1's byte sum in one dp4a (inline PTX: not under the interpreter)."""
     if CB == 2:

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..format.codebook import CODEBOOKS
-from ..kernels.triton_exl3 import codebook_fp16
+from ..kernels.triton_codebook import codebook_fp16
 
 M2 = tl.constexpr(2048)  # groups of eight nodes (four words): 2^14 nodes / 8
 INF2 = tl.constexpr(0x7C007C00)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..format.codebook import CODEBOOKS, codebook_table
-from ..kernels.triton_exl3 import codebook_fp16
+from ..kernels.triton_codebook import codebook_fp16
 from .viterbi_half import check_tiles, viterbi_half_triton
 
 # Launch settings per K: (nodes per chunk, warps, codebook from a table), swept on an H200 (docs/RESULTS.md).

@@ -8,9 +8,8 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
 
 from ..format.layer import decode_weight, slice_layer
-from ..kernels.ops import exl3_linear, exl3_linear_slices
-from ..kernels.weights import Exl3Slices, Exl3Weight
-from .moe import collector
+from ..kernels.ops import Exl3Slices, Exl3Weight, exl3_linear, exl3_linear_slices
+from .loading import collector
 
 log = logging.getLogger(__name__)
 

@@ -9,12 +9,10 @@ from collections.abc import Iterable
 
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
-from vllm.model_executor.utils import set_weight_attrs
 
 from ..format.layer import decode_weight, slice_layer
-from ..kernels.ops import fused_moe
-from ..kernels.reference import activation_ref
-from ..kernels.weights import Exl3Experts, Exl3Weight
+from ..kernels.ops import Exl3Experts, Exl3Weight, activation_ref, fused_moe
+from .loading import collector
 
 SHARD = {"w1": "gate", "w3": "up", "w2": "down"}
 log = logging.getLogger(__name__)
@@ -24,29 +22,6 @@ log = logging.getLogger(__name__)
 def warn_dummy(dummy) -> None:
     log.warning("exl3: random EXL3 experts at K=%g %s (--load-format dummy): for speed, not for answers",
                 dummy.K, dummy.codebook)
-
-
-def collector(layer: torch.nn.Module, suffix: str, experts: bool) -> torch.nn.Parameter:
-    """An empty parameter whose loader keeps each delivered tensor in layer._exl3[(shard, expert)][suffix].
-
-    The loader has vLLM's signature for expert weights, or for (possibly merged) linear weights. Experts are
-    kept under their local id; under expert parallelism another rank's experts are skipped."""
-    param = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-
-    def keep(shard, expert, tensor):
-        layer._exl3.setdefault((shard, expert), {})[suffix] = tensor.clone()
-
-    def expert_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
-        local = layer._map_global_expert_id_to_local_expert_id(expert_id)  # -1: another EP rank's expert
-        if local >= 0:
-            keep(shard_id, local, loaded_weight)
-        return local >= 0 if return_success else None
-
-    def linear_loader(param, loaded_weight, loaded_shard_id=None):
-        keep(loaded_shard_id, None, loaded_weight)
-
-    set_weight_attrs(param, {"weight_loader": expert_loader if experts else linear_loader})
-    return param
 
 
 class Exl3MoEMethod(FusedMoEMethodBase):
