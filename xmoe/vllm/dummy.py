@@ -11,7 +11,7 @@ import torch
 from ..format.config import QuantConfig
 from ..format.layer import marker, padded
 from ..format.trellis import check_bits
-from ..kernels.weights import Exl3Experts, Exl3Weight
+from ..kernels.ops import Exl3Experts, Exl3Weight
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """Loading EXL3 tensors into vLLM's layers: each module's stored tensors arrive one by one through vLLM's weight
 loaders and are kept until loading ends, when the linear and MoE methods assemble them."""
+from collections.abc import Iterable
+
 import torch
 from vllm.model_executor.utils import set_weight_attrs
 
@@ -25,3 +27,19 @@ def collector(layer: torch.nn.Module, suffix: str, experts: bool) -> torch.nn.Pa
 
     set_weight_attrs(param, {"weight_loader": expert_loader if experts else linear_loader})
     return param
+
+
+def load_named_experts(layer, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[str]:
+    """`RoutedExperts.load_weights` for per-expert EXL3 tensors (`experts.{id}.{proj}.{suffix}`): each goes
+    to its expert and shard through the parameter's loader, whatever its rank."""
+    mapping = layer.get_expert_mapping()
+    for name, tensor in weights:
+        qualified = f"{layer.layer_name}.{name}"
+        for param_name, weight_name, expert_id, shard_id in mapping:
+            if weight_name not in qualified:
+                continue
+            param_name = qualified.replace(weight_name, param_name).removeprefix(f"{layer.layer_name}.")
+            param = getattr(layer, param_name)
+            if param.weight_loader(param, tensor, name, shard_id=shard_id, expert_id=expert_id, return_success=True):
+                yield param_name
+            break

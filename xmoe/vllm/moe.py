@@ -5,14 +5,13 @@ compute dtype and run as a plain torch loop (the CPU: memory of a dense model, t
 import functools
 import logging
 import types
-from collections.abc import Iterable
 
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
 from ..format.layer import decode_weight, slice_layer
 from ..kernels.ops import Exl3Experts, Exl3Weight, activation_ref, fused_moe
-from .loading import collector
+from .loading import collector, load_named_experts
 
 SHARD = {"w1": "gate", "w3": "up", "w2": "down"}
 log = logging.getLogger(__name__)
@@ -124,18 +123,3 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
         return out.to(x.dtype)
 
-
-def load_named_experts(layer, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[str]:
-    """`RoutedExperts.load_weights` for per-expert EXL3 tensors (`experts.{id}.{proj}.{suffix}`): each goes
-    to its expert and shard through the parameter's loader, whatever its rank."""
-    mapping = layer.get_expert_mapping()
-    for name, tensor in weights:
-        qualified = f"{layer.layer_name}.{name}"
-        for param_name, weight_name, expert_id, shard_id in mapping:
-            if weight_name not in qualified:
-                continue
-            param_name = qualified.replace(weight_name, param_name).removeprefix(f"{layer.layer_name}.")
-            param = getattr(layer, param_name)
-            if param.weight_loader(param, tensor, name, shard_id=shard_id, expert_id=expert_id, return_success=True):
-                yield param_name
-            break
