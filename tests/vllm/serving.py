@@ -44,7 +44,7 @@ class Server:
 
     def __enter__(self):
         import httpx
-        deadline = time.time() + 400
+        deadline = time.time() + 600
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 self.log.seek(0)
@@ -55,7 +55,9 @@ class Server:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        pytest.fail("vLLM server did not become healthy in 400 s")
+        tail = self.log_text()[-6000:]
+        self.__exit__()  # a server that never became healthy must not outlive the test
+        pytest.fail(f"vLLM server did not become healthy in 600 s:\n{tail}")
 
     def __exit__(self, *exc):
         self.proc.terminate()
