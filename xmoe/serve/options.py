@@ -10,8 +10,10 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def read_config(model: Path) -> dict:
-    if not model.is_dir():
+    if not model.exists():
         raise ValueError(f"model directory {model} does not exist")
+    if not model.is_dir():
+        raise ValueError(f"{model}: not a directory (expected a Hugging Face model directory)")
     path = model / "config.json"
     if not path.is_file():
         raise ValueError(f"{path}: missing (is {model} a Hugging Face model directory?)")
