@@ -34,6 +34,7 @@ def test_defaults(tmp_path):
     (dict(num_speculative_tokens=2), "both a drafter method and a number of draft tokens"),
     (dict(dtype="int4"), "dtype 'int4'"),
     (dict(api_key=" "), "the API key is empty"),
+    (dict(shutdown_timeout=-1), "shutdown-timeout must be a whole number of seconds >= 0, got -1"),
 ])
 def test_bad_options_name_the_problem(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -90,7 +91,7 @@ def test_engine_command(tmp_path):
     assert json.loads(_flag(cmd, "--speculative-config")) == {"method": "mtp", "num_speculative_tokens": 3}
     assert {"--no-enable-prefix-caching", "--enforce-eager", "--enable-auto-tool-choice"} <= set(cmd)
     assert _flag(cmd, "--tool-call-parser") == "hermes" and _flag(cmd, "--middleware") == MIDDLEWARE
-    assert cmd[-2:] == ["--seed", "1"]
+    assert cmd[-2:] == ["--seed", "1"] and _flag(cmd, "--shutdown-timeout") == "10"  # engine exits on its own
     assert "secret" not in " ".join(cmd) and "secret" not in describe(o)  # the key travels in the environment
 
 

@@ -39,6 +39,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--cpu-threads", type=int, help="compute threads on vLLM's CPU backend")
     s.add_argument("--tool-call-parser", help="vLLM tool parser (e.g. hermes); enables automatic tool choice")
     s.add_argument("--api-key", help="required on every route but /health (default: $API_KEY)")
+    s.add_argument("--shutdown-timeout", type=int, metavar="SECONDS",
+                   help="on Ctrl-C, how long requests in flight may take to finish (default 10; 0: abort them)")
     s.add_argument("--dry-run", action="store_true", help="check and print the settings, do not start")
     s.set_defaults(func=run_serve)
 

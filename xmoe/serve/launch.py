@@ -15,7 +15,8 @@ ENTRYPOINT = "vllm.entrypoints.launchers.api_server.entry"
 def engine_command(o: ServeOptions) -> list[str]:
     cmd = [sys.executable, "-m", ENTRYPOINT, "--model", str(o.model), "--served-model-name", o.name,
            "--host", o.host, "--port", str(o.port), "--tensor-parallel-size", str(o.tensor_parallel_size),
-           "--dtype", o.dtype, "--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching"]
+           "--dtype", o.dtype, "--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching",
+           "--shutdown-timeout", str(o.shutdown_timeout)]
     for flag, value in (("--max-model-len", o.max_model_len), ("--kv-cache-memory-bytes", o.kv_cache_bytes),
                         ("--max-num-seqs", o.max_num_seqs), ("--max-num-batched-tokens", o.max_num_batched_tokens)):
         if value is not None:
@@ -75,7 +76,9 @@ def settings(o: ServeOptions, gpus: int | None = None) -> list[tuple[str, str]]:
             ("CUDA graphs", _graphs(o, gpus)), ("dtype", o.dtype),
             ("CPU compute threads", str(o.cpu_threads or "all cores") if not gpus else "n/a (GPU)"),
             ("tool calls", f"auto, parser {o.tool_call_parser}" if o.tool_call_parser else "named tool_choice only"),
-            ("API key", "required on every route but /health" if o.api_key else "none (open server)")]
+            ("API key", "required on every route but /health" if o.api_key else "none (open server)"),
+            ("on shutdown", f"requests get {o.shutdown_timeout} s to finish" if o.shutdown_timeout
+             else "requests aborted at once")]
 
 
 def describe(o: ServeOptions, gpus: int | None = None) -> str:

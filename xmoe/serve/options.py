@@ -65,6 +65,9 @@ class ServeOptions:
     dtype: str = "auto"
     cpu_threads: int | None = None  # compute threads of vLLM's CPU backend (default: all cores)
     tool_call_parser: str | None = None  # enables automatic tool choice
+    # On Ctrl-C / SIGTERM, requests in flight get this long to finish and the engine's processes exit on their
+    # own, releasing their shared memory; vLLM's default, 0, kills them at once and leaks it.
+    shutdown_timeout: int = 10
     api_key: str | None = field(default=None, repr=False)
     extra_args: tuple[str, ...] = ()  # passed to vLLM as they are
     config: dict = field(default_factory=dict, repr=False, compare=False)  # the model's config.json, read here
@@ -74,6 +77,8 @@ class ServeOptions:
         for name in ("port", "tensor_parallel_size", "max_model_len", "kv_cache_bytes", "max_num_seqs",
                      "num_speculative_tokens", "max_num_batched_tokens", "cpu_threads"):
             _positive(name.replace("_", "-"), getattr(self, name))
+        if not isinstance(self.shutdown_timeout, int) or self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown-timeout must be a whole number of seconds >= 0, got {self.shutdown_timeout!r}")
         if self.port > 65535:
             raise ValueError(f"port must be at most 65535, got {self.port}")
         if self.dtype not in DTYPES:
