@@ -52,8 +52,3 @@ def demo_server(tmp_path_factory):
     server = Server(options, tmp_path_factory.mktemp("demo-server") / "server.log")
     with server:
         yield server
-    # vLLM's engine processes, given time to exit (xmoe serve's --shutdown-timeout), release their shared
-    # memory and semaphores; killed at once they leave them to Python's resource tracker, which complains
-    leaks = [line for line in server.log_path.read_text(errors="replace").splitlines()
-             if "resource_tracker: There appear to be" in line]
-    assert not leaks, "the server's shutdown leaked: " + "; ".join(leaks)

@@ -65,8 +65,8 @@ class ServeOptions:
     dtype: str = "auto"
     cpu_threads: int | None = None  # compute threads of vLLM's CPU backend (default: all cores)
     tool_call_parser: str | None = None  # enables automatic tool choice
-    # On Ctrl-C / SIGTERM, requests in flight get this long to finish and the engine's processes exit on their
-    # own, releasing their shared memory; vLLM's default, 0, kills them at once and leaks it.
+    # On Ctrl-C / SIGTERM, requests in flight get this long to finish and the engine's processes to exit on
+    # their own; vLLM's default, 0, kills them at once: a traceback and leaked shared memory at every stop.
     shutdown_timeout: int = 10
     api_key: str | None = field(default=None, repr=False)
     extra_args: tuple[str, ...] = ()  # passed to vLLM as they are
