@@ -31,8 +31,9 @@ class Server:
         self.log = open(model.parent / f"server-{self.port}.log", "w+")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model), "--dtype", "float32",
-             "--max-model-len", "128", "--max-num-seqs", "4", "--enforce-eager", "--host", "127.0.0.1",
+            [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model),
+             "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4", "--enforce-eager",
+             "--host", "127.0.0.1",
              "--port", str(self.port), *args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def __enter__(self):

@@ -78,7 +78,8 @@ class ServeOptions:
                      "num_speculative_tokens", "max_num_batched_tokens", "cpu_threads"):
             _positive(name.replace("_", "-"), getattr(self, name))
         if not isinstance(self.shutdown_timeout, int) or self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown-timeout must be a whole number of seconds >= 0, got {self.shutdown_timeout!r}")
+            raise ValueError(f"shutdown-timeout must be a whole number of seconds >= 0, "
+                             f"got {self.shutdown_timeout!r}")
         if self.port > 65535:
             raise ValueError(f"port must be at most 65535, got {self.port}")
         if self.dtype not in DTYPES:
@@ -122,8 +123,8 @@ def cuda_gpus() -> int:
 def machine_defaults(gpus: int) -> dict:
     """Defaults that depend on the machine; `xmoe serve` and its --dry-run both take them from here. On the
     CPU there are no CUDA graphs to capture, and vLLM would instead trace and compile the model with
-    torch.compile at every start (minutes on a small machine): eager. One core is left to the HTTP server
-    and the engine loop, as vLLM's own CPU thread binding does."""
+    torch.compile's inductor (a C++ compiler at every start): eager. One core is left to the HTTP server and
+    the engine loop, as vLLM's own CPU thread binding does."""
     return {} if gpus else dict(eager=True, cpu_threads=max(1, len(os.sched_getaffinity(0)) - 1))
 
 
