@@ -178,3 +178,20 @@ def test_multimodal_config_reads_the_text_part(tmp_path):
         ServeOptions(tmp_path, tensor_parallel_size=4)
     with pytest.raises(ValueError, match="max_position_embeddings 4096"):
         ServeOptions(tmp_path, max_model_len=5000)
+
+
+def test_ready_message_is_a_request_to_paste():
+    import shlex
+    from types import SimpleNamespace
+
+    from xmoe.serve.ready import ready_message
+    args = SimpleNamespace(host="0.0.0.0", port=8001, served_model_name=["m"], model="/models/x",
+                           api_key=["sekrit-key"])
+    message = ready_message(args)
+    first, curl = message.splitlines()
+    assert first.startswith("xmoe serve: ready at http://127.0.0.1:8001/v1 (model 'm')") and "Ctrl-C" in first
+    argv = shlex.split(curl)
+    assert argv[:2] == ["curl", "http://127.0.0.1:8001/v1/chat/completions"] and "sekrit" not in message
+    assert "Authorization: Bearer $API_KEY" in argv
+    body = json.loads(argv[argv.index("-d") + 1])
+    assert body["model"] == "m" and body["max_tokens"] == 64 and body["temperature"] == 0

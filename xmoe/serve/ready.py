@@ -13,7 +13,9 @@ def ready_message(args) -> str:
     host = args.host if args.host not in (None, "", "0.0.0.0", "::") else "127.0.0.1"
     url = f"http://{host}:{args.port}/v1"
     model = (args.served_model_name or [args.model])[0]
-    body = json.dumps({"model": model, "max_tokens": 64, "messages": [{"role": "user", "content": PROMPT}]})
+    # greedy: sampled (the demo's default, 0.2), a model as small as the demo's wanders off half the time
+    body = json.dumps({"model": model, "max_tokens": 64, "temperature": 0,
+                       "messages": [{"role": "user", "content": PROMPT}]})
     auth = ' -H "Authorization: Bearer $API_KEY"' if _keyed(args) else ""
     return (f"xmoe serve: ready at {url} (model {model!r}); stop it with Ctrl-C. Try:\n"
             f"  curl {url}/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}")
