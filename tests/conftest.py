@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+DATA = Path(__file__).resolve().parent / "data"  # test data carried in the repository (data/README.md)
 
 
 @pytest.fixture(autouse=True)
@@ -15,7 +15,7 @@ def _same_random_numbers():
 @pytest.fixture
 def vectors():
     np = pytest.importorskip("numpy")
-    path = SHARED / "reference" / "vectors" / "exl3_decode_K2_K4.npz"
+    path = DATA / "exl3_decode_K2_K4.npz"
     if not path.exists():
         pytest.fail(f"ground-truth vectors missing: {path}")
     return np.load(path)

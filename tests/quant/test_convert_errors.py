@@ -139,5 +139,20 @@ def test_cli_reports_bad_input_in_one_line(tmp_path):
     run = subprocess.run([sys.executable, "-m", "xmoe", "quantize", str(tmp_path / "nowhere"), str(tmp_path / "d")],
                          capture_output=True, text=True, cwd=REPO)
     assert run.returncode == 2
-    assert run.stderr.strip() == f"xmoe quantize: error: {tmp_path / 'nowhere'}: no config.json (is this a " \
-                                 "Hugging Face model directory?)"
+    assert run.stderr.strip() == f"xmoe quantize: error: {tmp_path / 'nowhere'}: no such directory"
+
+
+@pytest.mark.parametrize("make,why", [
+    (lambda p: None, "no such directory"),
+    (lambda p: p.write_text("x"), "not a directory (expected a Hugging Face model directory)"),
+    (lambda p: p.mkdir(), "no config.json (is this a Hugging Face model directory?)"),
+    (lambda p: (p.mkdir(), (p / "config.json").write_text("{")), None),
+])
+def test_inspect_names_what_is_wrong_with_the_directory(tmp_path, capsys, make, why):
+    from xmoe.cli import main
+    path = tmp_path / "model"
+    make(path)
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    want = f"{path}: {why}" if why else f"{path / 'config.json'}: not valid JSON ("
+    assert err.startswith(f"xmoe inspect: error: {want}") and "\n" not in err, err

@@ -8,7 +8,7 @@ import torch
 
 from xmoe.serve import source
 from xmoe.serve.demo import VARIANTS, demo_model, describe, variant_dir
-from xmoe.serve.upcycle import UpcycleSpec, moe_config, moe_tensors
+from xmoe.serve.upcycle import REPLY_TOKENS, UpcycleSpec, moe_config, moe_tensors
 from xmoe.vllm.checkpoint import exl3_modules
 
 
@@ -78,6 +78,22 @@ def test_variant_bits_are_stated_and_name_the_cache(tmp_path):
     assert names["full"] != "smollm2-moe4-exl3-k2-full-v1" and len(set(names.values())) == len(names)
 
 
+def test_cached_model_gets_the_current_generation_config(tmp_path):
+    """A model cached by an older build gets today's sampling defaults and reply length without a rebuild:
+    its weights stay as they are."""
+    cached = variant_dir(tmp_path, "test")
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}))
+    (cached / "generation_config.json").write_text('{"bos_token_id": 1}')
+    (cached / "model.safetensors").write_bytes(b"weights")
+    assert demo_model("test", root=tmp_path) == cached
+    got = json.loads((cached / "generation_config.json").read_text())
+    assert got == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "do_sample": True, "temperature": 0.2,
+                   "top_p": 0.9, "max_new_tokens": REPLY_TOKENS}
+    assert (cached / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in cached.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
 def _fake_wheel(path, member, data):
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(member, data)
@@ -108,6 +124,8 @@ def test_test_variant_as_built():
     assert 0 < info["mean_rel_err"] < 0.2
     config = json.loads((path / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "exl3" and config["num_local_experts"] == 4
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation["temperature"] == 0.2 and generation["max_new_tokens"] == REPLY_TOKENS
 
 
 def test_serve_without_model_uses_the_demo_settings(capsys):

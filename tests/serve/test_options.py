@@ -1,12 +1,13 @@
 """`xmoe serve` options, command line and environment: checked without starting a server."""
 import json
+import os
 
 import pytest
 
 from xmoe.cli import main
 from xmoe.serve.cli import parse_bytes
 from xmoe.serve.launch import describe, engine_command, engine_env
-from xmoe.serve.options import MIDDLEWARE, ServeOptions
+from xmoe.serve.options import ALWAYS_MIDDLEWARE, MIDDLEWARE, ServeOptions
 
 
 def model_dir(tmp_path, exl3=True, **config):
@@ -33,6 +34,7 @@ def test_defaults(tmp_path):
     (dict(num_speculative_tokens=2), "both a drafter method and a number of draft tokens"),
     (dict(dtype="int4"), "dtype 'int4'"),
     (dict(api_key=" "), "the API key is empty"),
+    (dict(shutdown_timeout=-1), "shutdown-timeout must be a whole number of seconds >= 0, got -1"),
 ])
 def test_bad_options_name_the_problem(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -58,6 +60,9 @@ def test_moe_intermediate_size_wins(tmp_path):
 def test_model_directory_errors(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         ServeOptions(tmp_path / "nope")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="file: not a directory"):
+        ServeOptions(tmp_path / "file")
     with pytest.raises(ValueError, match="config.json: missing"):
         ServeOptions(tmp_path)
     (tmp_path / "config.json").write_text("{")
@@ -78,7 +83,7 @@ def test_engine_command(tmp_path):
                      speculative_method="mtp", num_speculative_tokens=3, max_num_batched_tokens=2048, eager=True,
                      tool_call_parser="hermes", api_key="secret", extra_args=("--seed", "1"))
     cmd = engine_command(o)
-    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
     assert (_flag(cmd, "--model"), _flag(cmd, "--served-model-name"), _flag(cmd, "--port")) == (str(tmp_path), "m", "9001")
     assert _flag(cmd, "--tensor-parallel-size") == "2" and _flag(cmd, "--max-model-len") == "4096"
     assert _flag(cmd, "--kv-cache-memory-bytes") == str(2 ** 30) and _flag(cmd, "--max-num-seqs") == "8"
@@ -87,7 +92,7 @@ def test_engine_command(tmp_path):
     assert {"--no-enable-prefix-caching", "--enforce-eager", "--enable-auto-tool-choice"} <= set(cmd)
     assert _flag(cmd, "--tool-call-parser") == "hermes" and _flag(cmd, "--middleware") == MIDDLEWARE
     assert _flag(cmd, "--tool-strict-level") == "parameter"  # arguments held to the schema, strict or not
-    assert cmd[-2:] == ["--seed", "1"]
+    assert cmd[-2:] == ["--seed", "1"] and _flag(cmd, "--shutdown-timeout") == "10"  # engine exits on its own
     assert "secret" not in " ".join(cmd) and "secret" not in describe(o)  # the key travels in the environment
 
 
@@ -101,9 +106,46 @@ def test_tool_strict_level_given_after_dashes_wins(tmp_path):
     assert "--tool-strict-level" not in engine_command(o) and "needs --tool-call-parser" in describe(o)
 
 
-def test_open_server_has_no_middleware_and_prefix_caching_on(tmp_path):
+def test_open_server_has_no_key_check_and_prefix_caching_on(tmp_path):
     cmd = engine_command(ServeOptions(model_dir(tmp_path)))
-    assert "--middleware" not in cmd and "--enable-prefix-caching" in cmd and "--enforce-eager" not in cmd
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"] == list(ALWAYS_MIDDLEWARE)
+    assert "--enable-prefix-caching" in cmd and "--enforce-eager" not in cmd
+
+
+def test_vllm_serves_with_the_entry_point_of_vllm_serve():
+    """The module the launcher runs exists in the installed vLLM and is the one its deprecated
+    `vllm.entrypoints.openai.api_server` hands over to."""
+    import importlib.util
+    pytest.importorskip("vllm")
+    from xmoe.serve.launch import ENTRYPOINT, entrypoint
+    assert entrypoint() == ENTRYPOINT  # vLLM 0.32; 0.26 has only the older module
+    spec = importlib.util.find_spec(ENTRYPOINT)
+    assert spec is not None and "def main()" in open(spec.origin).read()
+    old = importlib.util.find_spec("vllm.entrypoints.openai.api_server")
+    assert f"from {ENTRYPOINT} import main" in open(old.origin).read()
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_dry_run_shows_what_a_start_runs(tmp_path, capsys, monkeypatch, gpus):
+    """One code path: the dry run prints exactly what `xmoe serve` prints and runs on the same machine; on a
+    machine without a CUDA GPU that is eager, with one core left free, and no CUDA graphs claimed."""
+    import xmoe.serve.options as options
+    import xmoe.serve.server as server
+    monkeypatch.setattr(options, "cuda_gpus", lambda: gpus)
+    monkeypatch.setattr("xmoe.serve.launch.cuda_gpus", lambda: gpus)
+    model = str(model_dir(tmp_path))
+    assert main(["serve", model, "--dry-run"]) == 0
+    dry = capsys.readouterr().out
+    ran = []
+    monkeypatch.setattr(server.os, "execve", lambda path, cmd, env: ran.append(cmd))
+    assert main(["serve", model]) == 0
+    assert capsys.readouterr().out == dry and dry.rstrip().endswith(" ".join(ran[0]))
+    graphs = next(line for line in dry.splitlines() if "CUDA graphs" in line)
+    if gpus:
+        assert graphs.endswith(" on") and "--enforce-eager" not in ran[0]
+    else:
+        assert graphs.endswith("none on the CPU; eager") and "--enforce-eager" in ran[0]
+        assert f"CPU compute threads       {max(1, len(os.sched_getaffinity(0)) - 1)}" in dry
 
 
 def test_engine_env(tmp_path):
@@ -148,3 +190,20 @@ def test_multimodal_config_reads_the_text_part(tmp_path):
         ServeOptions(tmp_path, tensor_parallel_size=4)
     with pytest.raises(ValueError, match="max_position_embeddings 4096"):
         ServeOptions(tmp_path, max_model_len=5000)
+
+
+def test_ready_message_is_a_request_to_paste():
+    import shlex
+    from types import SimpleNamespace
+
+    from xmoe.serve.ready import ready_message
+    args = SimpleNamespace(host="0.0.0.0", port=8001, served_model_name=["m"], model="/models/x",
+                           api_key=["sekrit-key"])
+    message = ready_message(args)
+    first, curl = message.splitlines()
+    assert first.startswith("xmoe serve: ready at http://127.0.0.1:8001/v1 (model 'm')") and "Ctrl-C" in first
+    argv = shlex.split(curl)
+    assert argv[:2] == ["curl", "http://127.0.0.1:8001/v1/chat/completions"] and "sekrit" not in message
+    assert "Authorization: Bearer $API_KEY" in argv
+    body = json.loads(argv[argv.index("-d") + 1])
+    assert body["model"] == "m" and body["max_tokens"] == 64 and body["temperature"] == 0

@@ -37,6 +37,33 @@ def test_chat_completion_answers(client, demo_server):
     assert r.usage.completion_tokens <= 16 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
+def test_request_without_sampling_settings_ends_in_bounded_length(client, demo_server):
+    """A client that sets nothing (the README's first request, less its max_tokens) gets the model's own
+    sampling defaults and a reply of bounded length that ends with a finish reason."""
+    from xmoe.serve.upcycle import REPLY_TOKENS
+    r = client.chat.completions.create(model=demo_server.model, messages=FRANCE)
+    choice = r.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.message.content.strip()
+    assert 0 < r.usage.completion_tokens <= REPLY_TOKENS
+    assert (choice.finish_reason == "length") == (r.usage.completion_tokens == REPLY_TOKENS)
+
+
+def test_ready_line_names_the_url_and_a_request_that_works(demo_server):
+    """The line printed once the server answers, and its curl request, sent as written (with $API_KEY)."""
+    import shlex
+
+    import httpx
+    log = demo_server.log_path.read_text()
+    assert f"xmoe serve: ready at {demo_server.base_url} " in log
+    line = next(ln for ln in log.splitlines() if ln.strip().startswith("curl "))
+    argv = shlex.split(line.replace("$API_KEY", demo_server.api_key))
+    headers = dict(h.split(": ", 1) for flag, h in zip(argv, argv[1:]) if flag == "-H")
+    body = json.loads(argv[argv.index("-d") + 1])
+    assert body["max_tokens"] <= 64 and body["model"] == demo_server.model
+    r = httpx.post(argv[1], headers=headers, content=argv[argv.index("-d") + 1], timeout=300)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].strip()
+
+
 def test_streaming_with_usage_matches_the_plain_answer(client, demo_server):
     args = dict(model=demo_server.model, messages=FRANCE, max_tokens=12, temperature=0)
     plain = client.chat.completions.create(**args)

@@ -67,6 +67,20 @@ def test_bad_request_gets_an_openai_error(demo_server, case):
     assert _is_openai_error(r), (r.status_code, r.text[:300])
 
 
+@pytest.mark.parametrize("method,path,body,status", [
+    ("GET", "/v1/no-such-route", None, 404),
+    ("DELETE", "/v1/chat/completions", None, 405),
+    ("POST", "/v1/chat/completions", b'{"model": "x", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400),
+])
+def test_http_layer_errors_are_openai_objects(demo_server, method, path, body, status):
+    """What the HTTP layer under vLLM's handlers rejects (unknown path, wrong method, a body that is not
+    UTF-8) comes back as an OpenAI error object too, not as {"detail": ...}."""
+    r = httpx.request(method, demo_server.url + path, content=body, timeout=60,
+                      headers={**_auth(demo_server.api_key), "Content-Type": "application/json"})
+    assert _is_openai_error(r, status), (r.status_code, r.text[:300])
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
 def test_still_serving_after_bad_requests(demo_server):
     """Runs after the bad requests (pytest keeps file order)."""
     r = httpx.post(demo_server.base_url + "/chat/completions", json=_chat(demo_server, max_tokens=3),

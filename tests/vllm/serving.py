@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from xmoe.serve.launch import entrypoint
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
 from checkpoints import SERVE_BASE, save_word_tokenizer  # noqa: E402
 from reference import reference_tokens  # noqa: E402
@@ -31,14 +33,14 @@ GPU_ARGS = ("--dtype", "float16", "--max-model-len", "256", "--max-num-seqs", "8
 
 
 class Server:
-    """`python -m vllm.entrypoints.openai.api_server` on a model directory, stopped on exit."""
+    """vLLM's OpenAI server (the one `vllm serve` runs) on a model directory, stopped on exit."""
 
     def __init__(self, model: Path, *args: str, env: dict | None = None, gpu: bool = False):
         self.port = free_port()
         self.log = open(model.parent / f"server-{self.port}.log", "w+")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            [sys.executable, "-m", entrypoint(), "--model", str(model),
              *(GPU_ARGS if gpu else CPU_ARGS), "--host", "127.0.0.1", "--port", str(self.port), *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
 

