@@ -186,7 +186,7 @@ def test_gemv_interpreter():
     run_interpreted(gemv_everywhere)
 
 
-def dense_path():
+def dense_path_grouped_beside():
     for K, cb in ((1, "mcg"), (2, "3inst"), (3, "mul1"), (4, "mcg"), (8, "mul1")):
         check_decode(256, 128, K, cb, "cpu")
     t = replace(DEFAULT, dense_rows=3, dense_rest=0)
@@ -194,9 +194,20 @@ def dense_path():
         check_moe(**c, device="cpu", tuning=t)
     for c in SMALL_LINEAR:
         check_linear(*c, "cpu", tuning=t)
-    check_moe(**SMALL_MOE[0], device="cpu", tuning=replace(t, dense_rows=1))
+
+
+def test_dense_path_interpreter():
+    """Experts with at least dense_rows rows (here 3) decoded once and multiplied densely, beside the grouped
+    kernels for the rest, every K and decoder; a call of more than routing.ROUTE_SLOTS slots (sorted routing); a
+    dense linear layer."""
+    run_interpreted(dense_path_grouped_beside)
+
+
+def dense_path_settings():
+    t = replace(DEFAULT, dense_rows=1, dense_rest=0)
+    check_moe(**SMALL_MOE[0], device="cpu", tuning=t)
     check_moe(**SMALL_MOE[1], device="cpu", tuning=replace(t, dense_rows=3, dense_rest=8))  # the few left go too
-    t = replace(t, dense_rows=1, dense_rest=8, dense=Tile(BM=16, BK=64, BN=256, fill=0))  # experts of many chunks
+    t = replace(t, dense_rest=8, dense=Tile(BM=16, BK=64, BN=256, fill=0))  # experts of many chunks
     check_moe(**dict(SMALL_MOE[0], M=40, E=4, inter=384), device="cpu", tuning=t)
     t = replace(t, dense_rows=12, dense_rest=0)
     hot = record_hot()
@@ -205,13 +216,11 @@ def dense_path():
     check_moe(**dict(SMALL_MOE[2], M=24), device="cpu", tuning=replace(t, dense_tma=False))
 
 
-def test_dense_path_interpreter():
-    """Experts with at least dense_rows rows (here 3; 1 for the second MoE: every expert) decoded once and
-    multiplied densely, beside the grouped kernels for the rest; a dense linear layer; every K and decoder; a call
-    whose few experts all go dense as the rest (dense_rest); experts of more rows than one dense_gemm chunk (BM 16
-    here); a call of more than routing.ROUTE_SLOTS slots (sorted routing); dense_gemm_tma and, for GPUs without
-    the copy engine, dense_gemm."""
-    run_interpreted(dense_path)
+def test_dense_path_settings_interpreter():
+    """The dense path's settings: every expert dense (dense_rows 1); a call whose few experts all go dense as the
+    rest (dense_rest); experts of more rows than one dense_gemm chunk (BM 16 here); some experts dense, not all;
+    dense_gemm_tma and, for GPUs without the copy engine, dense_gemm."""
+    run_interpreted(dense_path_settings)
 
 
 def empty_batch():
