@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from . import __version__
 
@@ -56,6 +57,13 @@ def _quantize(args) -> int:
         raise ValueError("--calibration names calibration text, but --no-calibrate was given")
     # On by default on GPUs; on the CPU, where capture multiplies the build time, on request (or --calibration).
     calibrate = args.calibrate if args.calibrate is not None else (gpus or bool(args.calibration))
+    if calibrate and args.calibrate is None and not args.calibration:
+        from .quant.capture import capture_refusal
+        from .quant.plan import read_source
+        reason = capture_refusal(read_source(Path(args.src))[0])
+        if reason:  # the default, not a request: say so and encode uncalibrated
+            print(f"xmoe quantize: not calibrating ({reason}); --no-calibrate says so without this note")
+            calibrate = False
     opts = ConvertOptions(bits=args.bits, codebook=args.codebook, encoder=encoder, bits_for=tuple(args.bits_for),
                           keep=tuple(args.keep), experts_regex=args.experts_regex, beam_width=args.beam_width,
                           seed=args.seed, calibrate=calibrate, calibration=args.calibration,

@@ -101,13 +101,14 @@ def user_texts(path: str | os.PathLike) -> list[tuple[str, str]]:
     return out
 
 
-def _stream(tok, docs: list[str], need: int) -> list[int]:
-    """Token ids of docs joined by the end-of-text token, stopping once `need` tokens are there."""
-    eos = tok.eos_token_id
+def _stream(tok, docs: list[str], need: int, separate: bool = True) -> list[int]:
+    """Token ids of docs joined by the end-of-text token (run on, without `separate`), stopping once `need`
+    tokens are there."""
+    eos = [tok.eos_token_id] if separate and tok.eos_token_id is not None else []
     ids: list[int] = []
     for i in range(0, len(docs), 64):
-        for d in tok(docs[i:i + 64], add_special_tokens=False)["input_ids"]:
-            ids += d + ([eos] if eos is not None else [])
+        for d in tok(docs[i:i + 64], add_special_tokens=False, verbose=False)["input_ids"]:
+            ids += d + eos
         if len(ids) >= need:
             break
     return ids
@@ -127,11 +128,12 @@ def default_rows(tok, rows: int, cols: int) -> torch.Tensor:
     counts[0] += rows - sum(counts)  # the remainder goes to the largest source
     out = []
     for (name, text, _, sep), n in zip(texts, counts):
+        # a running text is tokenized in pieces (a word may be cut at a piece's edge: one token in ~2,000)
         docs = [d.strip() for d in text.split(sep)] if sep else [text[i:i + 8192] for i in range(0, len(text), 8192)]
         docs = [d for d in docs if d]
         if sep:
             random.Random(0).shuffle(docs)
-        ids = _stream(tok, docs, n * cols)
+        ids = _stream(tok, docs, n * cols, separate=sep is not None)
         if len(ids) < n * cols:
             raise CalibrationError(f"{name}: {len(ids)} tokens, fewer than the {n} rows of {cols} asked of it")
         out.append(torch.tensor(ids[: n * cols], dtype=torch.long).view(n, cols))

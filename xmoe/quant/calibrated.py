@@ -59,8 +59,10 @@ class Sweep:
         return {e: {r: load_expert(self.plan.src, self.shard_of[p.source], p, self.stack.device)
                     for r, p in roles.items()} for e, roles in by_expert.items()}
 
-    def run(self, last: int, jobs_for, quantized, workers: Workers, finished, desc: str) -> dict[int, float]:
-        """Layers up to `last`; returns {layer: energy of its routed experts' output / energy of its input}."""
+    def run(self, last: int, jobs_for, quantized, workers: Workers, finished, desc: str, weigh: bool = False
+            ) -> dict[int, float]:
+        """Layers up to `last`; returns {layer: energy of its routed experts' output / energy of its input} of
+        the layers it captured (every MoE layer with `weigh`, else those with jobs)."""
         start, states = _start(self.root)
         if states is None:
             states = self.stack.embed(self.tokens).to("cpu")
@@ -70,7 +72,7 @@ class Sweep:
                       dynamic_ncols=True):
             hessians = self.root / f"hessians-{i}.safetensors"
             jobs = jobs_for(i, hessians)
-            capture = i in self.stack.paths and (bool(jobs) or i not in energy)
+            capture = i in self.stack.paths and (bool(jobs) or (weigh and i not in energy))
             layer = self.stack.layer(i, self.experts(i), capture)
             out = self.stack.forward(layer, states, self.batch)
             if capture:
@@ -198,7 +200,7 @@ def _measure_and_allocate(plan, opts, workers, work, calib, devices) -> dict:
         stack = _stack(plan, opts, devices)
         sweep = Sweep(stack, plan, work / "measure", calib.tokens, capture_batch(opts.calib_cols))
         weight = sweep.run(max(g.layer for g in groups), jobs_for, lambda i: None, workers, lambda e: bar.update(),
-                           "measure")
+                           "measure", weigh=True)
     else:
         workers.run(jobs_for(None, None), lambda e: bar.update())
     bar.close()

@@ -22,6 +22,28 @@ from .source import SCALE_SUFFIXES, dequantize
 from .st_io import CheckpointError
 
 
+# Architectures whose decoder layers the one-layer forward cannot drive, and why.
+UNSUPPORTED = {
+    "deepseek_v4": "its residual is a stack of parallel streams (hyper-connections) and its first MoE layers route by "
+                   "token id, while the capture runs one layer at a time on plain hidden states",
+}
+
+
+def capture_refusal(config: dict) -> str | None:
+    """Why the calibration capture cannot run this model (config.json), or None."""
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        return "transformers>=5 is not installed (pip install 'xmoe[calibrate]')"
+    model_type = config.get("model_type")
+    if model_type in UNSUPPORTED:
+        return f"model_type {model_type}: {UNSUPPORTED[model_type]}"
+    if model_type not in CONFIG_MAPPING:
+        return f"transformers {AutoConfig.__module__.split('.')[0]} does not know model_type {model_type!r}"
+    return None
+
+
 class CaptureExperts(nn.Module):
     """Routed experts from per-expert (out, in) weights, with the forward signature of transformers' MoE
     experts modules: (tokens (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H)."""
@@ -100,6 +122,9 @@ class LayerStack:
                               f"--no-calibrate: {e}") from None
         self.src, self.device, self.dtype = src, device, dtype
         config = AutoConfig.from_pretrained(src)
+        reason = capture_refusal(config.to_dict())
+        if reason:
+            raise CheckpointError(f"{src}: calibration cannot run: {reason}; use --no-calibrate")
         with torch.device("meta"):
             base = AutoModel.from_config(config, attn_implementation="sdpa")
         if not all(hasattr(base, a) for a in ("layers", "norm", "embed_tokens")):
