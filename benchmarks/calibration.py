@@ -216,7 +216,8 @@ def main() -> int:
         print(f"{'layer':>5} {'tensor':<6} {'K':>4} {'xmoe':>9} {'exllamav3':>10} {'ratio':>7} {'uncalibrated':>13}")
         for r in rows:
             theirs = f"{r['exllamav3']:>10.5f} {r['ratio']:>7.3f}" if "exllamav3" in r else f"{'-':>10} {'-':>7}"
-            print(f"{r['layer']:>5} {r['tensor']:<6} {r['K']:>4g} {r['xmoe']:>9.5f} {theirs} {r['xmoe_uncalibrated']:>13.5f}")
+            print(f"{r['layer']:>5} {r['tensor']:<6} {r['K']:>4g} {r['xmoe']:>9.5f} {theirs} "
+                  f"{r['xmoe_uncalibrated']:>13.5f}")
     else:
         print(f"{'encoder':<30} {'K':>4} {'KL mean':>8} {'ppl':>8} {'ppl ref':>8} {'build s':>8}")
         for r in rows:

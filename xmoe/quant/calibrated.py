@@ -77,7 +77,8 @@ class Sweep:
             out = self.stack.forward(layer, states, self.batch)
             if capture:
                 mod = layer.get_submodule(self.stack.paths[i])
-                energy[i] = mod.energy / max(float(states.double().pow(2).sum()), 1e-30)
+                residual = sum(float(s.double().pow(2).sum()) for s in states.split(self.batch))
+                energy[i] = mod.energy / max(residual, 1e-30)
                 _save(hessians, mod.hessians(), {"count": str(mod.count), "dropped": str(mod.dropped)})
                 del mod.h_input, mod.h_down
                 workers.run(jobs, finished)
