@@ -42,7 +42,9 @@ def test_calibrated_conversion(tmp_path, arch):
     n_layers = 1 if arch == "deepseek_v3" else 2  # its layer 0 is dense
     assert len(report["tensors"]) == n_layers * 4 * 3
     for t in report["tensors"]:
-        assert "fallback" not in t and 0 < t["proxy_err"] < 0.25 and t["rel_err"] < 0.2, t
+        # LDLQ spends weight error in the directions 128 calibration tokens leave unexcited: the output error
+        # (proxy) is what it bounds; the weight's own error only stays sane
+        assert "fallback" not in t and 0 < t["proxy_err"] < 0.25 and t["rel_err"] < 0.35, t
     config = json.loads((tmp_path / "dst" / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "exl3" and not (tmp_path / "dst" / PARTIAL).exists()
 

@@ -137,29 +137,35 @@ class LayerStack:
         renamings = [t for t in get_model_conversion_mapping(base) if isinstance(t, WeightRenaming)]
         meta = base.state_dict() | {f"layers.{i}.{k}": v for i, layer in enumerate(self.layers)
                                     for k, v in layer.state_dict().items()}
+        self.rename = lambda name: rename_source_key(name, renamings, [], base.base_model_prefix, meta)[0]
         self.location = {t.name: shard for shard, ts in shards.items() for t in ts}
-        routed = {p.source for p in experts} | {p.scale for p in experts if p.scale}
-        self.names = {}  # model name -> (source weight, source scale or None)
-        for name in self.location:
-            if name in routed or any(name.endswith("." + s) for s in SCALE_SUFFIXES):
-                continue
-            target = rename_source_key(name, renamings, [], "model", meta)[0]
-            scale = next((f"{name[:-len('weight')]}{s}" for s in SCALE_SUFFIXES
-                          if name.endswith("weight") and f"{name[:-len('weight')]}{s}" in self.location), None)
-            self.names[target] = (name, scale)
+        self.names = self._map_names(experts)
         self.experts = {}  # layer -> {expert: {role: ExpertProj}}
         for p in experts:
             self.experts.setdefault(p.layer, {}).setdefault(p.expert, {})[p.role] = p
         self.acts = {}  # layer -> act(gate) * up of its experts module
-        self.paths = {}  # layer -> path of its experts module, e.g. "mlp.experts"
-        for layer, by_expert in self.experts.items():
-            p = next(iter(next(iter(by_expert.values())).values()))
-            target = rename_source_key(p.source, renamings, [], "model", meta)[0]
-            m = re.match(rf"^(?:{re.escape(base.base_model_prefix)}\.)?layers\.{layer}\.(.*?experts)(\.|$)", target)
-            if not m:
-                raise CheckpointError(f"{src}: cannot place expert tensor {p.source} in layer {layer} of "
-                                      f"{type(base).__name__} (mapped to {target})")
-            self.paths[layer] = m[1]
+        self.paths = {i: self._experts_path(i, base) for i in self.experts}  # e.g. "mlp.experts"
+
+    def _map_names(self, experts: list[ExpertProj]) -> dict[str, tuple[str, str | None]]:
+        """The model's name -> (source weight, its scale or None) of every tensor but the routed experts'."""
+        routed = {p.source for p in experts} | {p.scale for p in experts if p.scale}
+        names = {}
+        for name in self.location:
+            if name in routed or any(name.endswith("." + s) for s in SCALE_SUFFIXES):
+                continue
+            stem = name[:-len("weight")] if name.endswith("weight") else None
+            scale = next((stem + s for s in SCALE_SUFFIXES if stem and stem + s in self.location), None)
+            names[self.rename(name)] = (name, scale)
+        return names
+
+    def _experts_path(self, layer: int, base: nn.Module) -> str:
+        p = next(iter(next(iter(self.experts[layer].values())).values()))
+        target = self.rename(p.source)
+        m = re.match(rf"^(?:{re.escape(base.base_model_prefix)}\.)?layers\.{layer}\.(.*?experts)(\.|$)", target)
+        if not m:
+            raise CheckpointError(f"{self.src}: cannot place expert tensor {p.source} in layer {layer} of "
+                                  f"{type(base).__name__} (mapped to {target})")
+        return m[1]
 
     def read(self, name: str) -> torch.Tensor:
         weight, scale = self.names[name]

@@ -35,15 +35,16 @@ def ldlq_encode(w: torch.Tensor, L: torch.Tensor, encode) -> tuple[torch.Tensor,
     """w (k, m) in the encoder's domain, L (k, k) from block_ldl -> (q (k, m) decoded values, states
     (k/16 * m/16, 256) in matrix_to_tiles order)."""
     k, m = w.shape
-    q = torch.zeros_like(w)
+    q, err = torch.zeros_like(w), torch.zeros_like(w)
     Lf = L.to(device=w.device, dtype=torch.float32)
     states = []
     for a in range(k - 16, -1, -16):
         target = w[a:a + 16]
         if a + 16 < k:  # feedback of the error in the strips below, through L's off-diagonal blocks
-            target = target + Lf[a + 16:, a:a + 16].T @ (w[a + 16:] - q[a + 16:])
+            target = target + Lf[a + 16:, a:a + 16].T @ err[a + 16:]
         values, s = encode(matrix_to_tiles(target))
         q[a:a + 16] = tiles_to_matrix(values, 16, m)
+        err[a:a + 16] = w[a:a + 16] - q[a:a + 16]
         states.append(s)
     return q, torch.cat(states[::-1])
 
