@@ -18,6 +18,7 @@ def inspect_dir(path: str | Path) -> dict:
     path = Path(path)
     config, shards = read_source(path)
     groups = defaultdict(lambda: {"format": set(), "bits": set(), "tensors": 0, "bytes": 0})
+    mix = defaultdict(lambda: {"tensors": 0, "weights": 0, "modules": set()})  # K -> where it is used
     for infos in shards.values():
         for t in infos:
             module, _, suffix = t.name.rpartition(".")
@@ -25,15 +26,21 @@ def inspect_dir(path: str | Path) -> dict:
             g["tensors"] += 1
             g["bytes"] += t.nbytes
             if suffix == "trellis":
+                K = t.shape[-1] / 16
                 g["format"].add("exl3")
-                g["bits"].add(t.shape[-1] / 16)
+                g["bits"].add(K)
+                m = mix[K]
+                m["tensors"] += 1
+                m["weights"] += t.shape[0] * t.shape[1] * 256
+                m["modules"].add(re.sub(r"\.\d+(?=\.[^.]+$)", ".*", module))  # the expert index collapsed
             elif suffix not in SUFFIXES or suffix == "bias":
                 g["format"].add(t.dtype)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     return {"path": str(path), "model_type": config.get("model_type"),
             "quantization_config": config.get("quantization_config"), "bytes_on_disk": size,
             "groups": {k: {**v, "format": sorted(v["format"]), "bits": sorted(v["bits"])}
-                       for k, v in sorted(groups.items())}}
+                       for k, v in sorted(groups.items())},
+            "bit_mix": {K: {**m, "modules": sorted(m["modules"])} for K, m in sorted(mix.items())}}
 
 
 def print_inspect(info: dict) -> None:
@@ -45,3 +52,10 @@ def print_inspect(info: dict) -> None:
     for name, g in info["groups"].items():
         bits = ",".join(f"{b:g}" for b in g["bits"]) or "-"
         print(f"{name:<60} {'/'.join(g['format']):<14} {bits:<8} {g['tensors']:>8} {g['bytes'] / 2**20:>10.2f}")
+    mix = info["bit_mix"]
+    if len(mix) > 1:  # a mixed pack: which modules (all experts of a layer's projection) got which K
+        total = sum(m["weights"] for m in mix.values())
+        print(f"bit mix: {sum(K * m['weights'] for K, m in mix.items()) / total:.4f} bits per EXL3 weight")
+        for K, m in mix.items():
+            print(f"  K={K:g}: {m['tensors']} tensors, {100 * m['weights'] / total:.1f}% of weights: "
+                  f"{', '.join(m['modules'])}")

@@ -15,9 +15,26 @@ from .st_io import TORCH_DTYPE, CheckpointError, TensorInfo, read_header
 SKIP_FILES = (".bin", ".pt", ".pth", ".ckpt", ".safetensors")
 
 
+INPUTS = ("quantized", "original")
+
+
+def is_K(bits: float, codebook: str) -> bool:
+    """Whether `bits` is a K the codebook stores (half-integer K is mul1's only)."""
+    try:
+        check_bits(bits)
+    except ValueError:
+        return False
+    return float(bits).is_integer() or codebook == "mul1"
+
+
 @dataclass(frozen=True)
 class ConvertOptions:
-    """Options of `xmoe quantize`, validated once here."""
+    """Options of `xmoe quantize`, validated once here.
+
+    `bits` is K for every expert tensor, or, when it is no K of the codebook (e.g. 2.25) or `allocate` is
+    set, the average that the bit allocator spends. `calibrate` encodes against Hessians captured from
+    `calibration` (FILE or DIR of text; None: the default mix), `calib_rows` rows of `calib_cols` tokens,
+    whose states reach each layer through the layers before as `calib_inputs` ("quantized" or "original")."""
     bits: float = 2
     codebook: str = "mcg"
     encoder: str = "viterbi"
@@ -26,22 +43,50 @@ class ConvertOptions:
     experts_regex: str | None = None
     beam_width: int = 64
     seed: int = 0
+    calibrate: bool = False
+    calibration: str | None = None
+    calib_rows: int = 250
+    calib_cols: int = 2048
+    calib_inputs: str = "quantized"
+    allocate: bool = False
+    sample_experts: int = 4  # experts per group whose error curves the allocator measures
+    sample_strips: int = 4  # 16-column strips per measured tensor
 
     def __post_init__(self):
-        check_bits(self.bits)
         check_codebook(self.codebook)
+        if self.allocates:
+            if not 1 <= self.bits <= 8:
+                raise ValueError(f"--bits {self.bits}: an average bits per weight must lie in 1..8")
+        else:
+            check_bits(self.bits)
+            if not is_K(self.bits, self.codebook):
+                raise ValueError(f"--bits {self.bits}: half-integer K needs --codebook mul1")
         for pattern, K in self.bits_for:
             check_bits(K)
-            if K != int(K) and self.codebook != "mul1":
+            if not is_K(K, self.codebook):
                 raise ValueError(f"--bits-for {pattern}={K}: half-integer K needs --codebook mul1")
             re.compile(pattern)
         for pattern in self.keep:
             re.compile(pattern)
-        if self.bits != int(self.bits) and self.codebook != "mul1":
-            raise ValueError(f"--bits {self.bits}: half-integer K needs --codebook mul1")
+        if self.calib_inputs not in INPUTS:
+            raise ValueError(f"calibration inputs {self.calib_inputs!r}: expected one of {', '.join(INPUTS)}")
+        if self.calib_rows < 1 or self.calib_cols < 16:
+            raise ValueError(f"calibration of {self.calib_rows} rows x {self.calib_cols} tokens: need at least "
+                             "1 row of 16 tokens")
+        if min(self.sample_experts, self.sample_strips) < 1:
+            raise ValueError("the allocator samples at least one expert and one strip per group")
+
+    @property
+    def allocates(self) -> bool:
+        return self.allocate or not is_K(self.bits, self.codebook)
+
+    def rule_bits(self, key: str) -> float | None:
+        """K of the first --bits-for rule matching `key`, else None."""
+        return next((K for pattern, K in self.bits_for if re.search(pattern, key)), None)
 
     def bits_of(self, key: str) -> float:
-        return next((K for pattern, K in self.bits_for if re.search(pattern, key)), self.bits)
+        K = self.rule_bits(key)
+        return self.bits if K is None else K
 
     def kept(self, key: str) -> bool:
         return any(re.search(pattern, key) for pattern in self.keep)
@@ -53,12 +98,14 @@ class Plan:
     config: dict
     shards: dict[str, list[TensorInfo]]  # shard file name -> tensors in storage order
     experts: list[ExpertProj]  # the ones to quantize
-    bits: dict[str, float] = field(default_factory=dict)  # expert key -> K
+    bits: dict[str, float | None] = field(default_factory=dict)  # expert key -> K (None: left to the allocator)
     shapes: dict[str, tuple[int, int]] = field(default_factory=dict)  # expert key -> (out, in)
 
-    def fingerprint(self, options: ConvertOptions) -> str:
-        """Identifies the source files (names, sizes, headers) and the options; a resumed run must match."""
+    def fingerprint(self, options: ConvertOptions, calibration: str = "") -> str:
+        """Identifies the source files (names, sizes, headers), the options and the calibration tokens' digest;
+        a resumed run must match."""
         h = hashlib.sha256(json.dumps(options.__dict__, sort_keys=True, default=str).encode())
+        h.update(calibration.encode())
         for name, infos in sorted(self.shards.items()):
             h.update(name.encode())
             for t in infos:
@@ -115,8 +162,8 @@ def make_plan(src: Path, options: ConvertOptions) -> Plan:
             raise ValueError(f"--keep matches only some experts of the fused tensor {p.source}")
     plan = Plan(src, config, shards, [p for p in experts if p.source not in kept])
     groups: dict[tuple, set] = {}
-    for p in plan.experts:
-        plan.bits[p.key] = options.bits_of(p.key)
+    for p in plan.experts:  # with the allocator, tensors no rule fixes get their K from it later
+        plan.bits[p.key] = options.rule_bits(p.key) if options.allocates else options.bits_of(p.key)
         plan.shapes[p.key] = _logical_shape(p, infos[p.source], infos.get(p.scale) if p.scale else None)
         groups.setdefault((p.layer, p.role), set()).add(plan.shapes[p.key])
     for (layer, role), shapes in groups.items():
