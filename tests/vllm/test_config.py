@@ -52,3 +52,18 @@ def test_checkpoint_names_follow_the_models_renames():
     assert set(c._scanned()) == {f"model.layers.1.ffn.experts.{e}.{w}" for e in range(4) for w in ("w1", "w2", "w3")}
     c.packed_modules_mapping = {"gate_up_proj": ["w1", "w3"]}
     assert c._suffixes("model.layers.1.ffn.shared_experts.gate_up_proj") == [None, None]  # left dense
+
+
+def test_vllm_releases_outside_the_tested_range(monkeypatch, caplog):
+    """Inside 0.26-0.32: silent. Outside: a warning when every vLLM name the plugin uses is there, else one
+    line naming the range and what is missing."""
+    from xmoe.vllm import compat
+    compat.check_version("0.26.0")
+    compat.check_version("0.32.0")
+    assert compat.missing_names() == []  # this vLLM (0.32) has them all
+    with caplog.at_level("WARNING"):
+        compat.check_version("0.34.0")
+    assert "tested with vLLM 0.26 to 0.32" in caplog.text
+    monkeypatch.setattr(compat, "USED", compat.USED + (("vllm.model_executor.layers.linear", "NoSuchLayer"),))
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0.26 to 0.32; vLLM 0.40.0 lacks .*NoSuchLayer"):
+        compat.check_version("0.40.0")
