@@ -96,7 +96,9 @@ def route_then_rotate():
         assert live.any() and (ep or live.all()), (M, E)
         pairs = zip(rotated, fused) if codebook == "mul1" else zip(rotated[:2], fused[:2])  # sums only at mul1
         for u, v in pairs:
-            assert torch.equal(u[live], v[live]), (M, E, codebook)
+            # The interpreter's dots are numpy matmuls whose summation order follows the block's shape, so rows
+            # rotated in differently shaped programs may differ in the last bit; on a GPU they are equal.
+            torch.testing.assert_close(u[live], v[live], rtol=2 ** -10, atol=1e-6, msg=str((M, E, codebook)))
     from xmoe.kernels import ops
     taken, fused = [], launch.route_rotate
     launch.route_rotate = lambda *args: taken.append(args[1].numel()) or fused(*args)
@@ -110,8 +112,9 @@ def route_then_rotate():
 
 def test_route_rotate_equals_route_then_rotate_interpreter():
     """Decode-size calls route and rotate in one launch (route_rotate), each rotating program finding its slots
-    itself: the routing and the rotated rows and block sums equal route_small's and rotate_rows' exactly, for every
-    operand format, with expert maps, up to ROUTE_SLOTS slots; fused_moe takes it up to route_rotate_max_slots."""
+    itself: the routing equals route_small's exactly, the rotated rows and block sums rotate_rows' to the last bit,
+    for every operand format, with expert maps, up to ROUTE_SLOTS slots; fused_moe takes it up to
+    route_rotate_max_slots."""
     pytest.importorskip("triton")
     run_interpreted(route_then_rotate)
 
