@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-CASES = [(2, "mcg"), (3, "mul1"), (4, "3inst"), (6, "mcg")]
+# Under the interpreter a case costs about 2^K: K=6 took 8 minutes there, so it is left to the GPU's list.
+CASES = [(2, "mcg"), (3, "mul1"), (4, "3inst")]
 
 
 def _tiles(n: int, codebook: str, device: str, seed: int) -> torch.Tensor:
@@ -74,7 +75,8 @@ def test_interpreter_half_matches_reference(K, codebook, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("K,codebook", CASES + [(1, "mcg"), (5, "mul1"), (6, "3inst"), (7, "mcg"), (8, "mcg")])
+@pytest.mark.parametrize("K,codebook", CASES + [(1, "mcg"), (5, "mul1"), (6, "mcg"), (6, "3inst"), (7, "mcg"),
+                                               (8, "mcg")])
 def test_gpu_matches_reference(K, codebook):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
