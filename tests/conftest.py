@@ -52,18 +52,3 @@ def demo_server(tmp_path_factory):
     server = Server(options, tmp_path_factory.mktemp("demo-server") / "server.log")
     with server:
         yield server
-
-
-# Under pytest-xdist (.ci/run runs two workers), tests that share one expensive or cached thing run on one worker:
-# the session's demo server and the demo model it is built from, the calibration data fetched into the user cache.
-SHARED_FIXTURES = {"demo_server": "demo"}
-SHARED_FILES = {"test_demo.py": "demo", "test_calib_data.py": "calibration-data"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        group = SHARED_FILES.get(item.path.name)
-        group = group or next((SHARED_FIXTURES[f] for f in item.fixturenames if f in SHARED_FIXTURES), None)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))

@@ -7,8 +7,7 @@ import sys
 import pytest
 import torch
 
-# Under the interpreter a case costs about 2^K: K=6 took 8 minutes there, so it is left to the GPU's list.
-CASES = [(2, "mcg"), (3, "mul1"), (4, "3inst")]
+CASES = [(2, "mcg"), (3, "mul1"), (4, "3inst"), (6, "mcg")]
 
 
 def _tiles(n: int, codebook: str, device: str, seed: int) -> torch.Tensor:
@@ -62,21 +61,23 @@ def _interpret(call: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-@pytest.mark.parametrize("K,codebook", CASES)
+# Under the interpreter each kernel runs once, at its cheapest K (a case costs about 2^K: K=6 took 8 minutes, K=4
+# nearly 3); the GPU runs every K. K is a compile-time constant of one source: the fp32 kernel's, and the fp16
+# kernels' pairs (K=2) and single choices (K=3 and 4).
+@pytest.mark.parametrize("K,codebook", CASES[:1])
 def test_interpreter_matches_reference(K, codebook):
     pytest.importorskip("triton")
     _interpret(f"compare({K}, {codebook!r}, 'cpu', 1 << 16)")
 
 
-@pytest.mark.parametrize("K,codebook,n", [(2, "mcg", 2), (3, "3inst", 1), (4, "mul1", 1)])
-def test_interpreter_half_matches_reference(K, codebook, n):
+@pytest.mark.parametrize("K,codebook", [(2, "mcg"), (3, "3inst")])
+def test_interpreter_half_matches_reference(K, codebook):
     pytest.importorskip("triton")
-    _interpret(f"compare_half({K}, {codebook!r}, 'cpu', {n}, True)")
+    _interpret(f"compare_half({K}, {codebook!r}, 'cpu', 1, False)")  # one tile: waves of tiles on the GPU only
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("K,codebook", CASES + [(1, "mcg"), (5, "mul1"), (6, "mcg"), (6, "3inst"), (7, "mcg"),
-                                               (8, "mcg")])
+@pytest.mark.parametrize("K,codebook", CASES + [(1, "mcg"), (5, "mul1"), (6, "3inst"), (7, "mcg"), (8, "mcg")])
 def test_gpu_matches_reference(K, codebook):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")

@@ -97,8 +97,8 @@ class Server:
             return list(pool.map(one, prompts))
 
 
-def check_served(src: Path, dst: Path, *args: str, env: dict | None = None):
+def check_served(src: Path, dst: Path, *args: str, env: dict | None = None, prompts=PROMPTS, n: int = N):
     save_word_tokenizer(dst, SERVE_BASE["vocab_size"])
     with Server(dst, *args, env=env) as server:
-        got = server.greedy(dst)
-    assert got == reference_tokens(src, dst, PROMPTS, N)
+        got = server.greedy(dst, prompts, n)
+    assert got == reference_tokens(src, dst, prompts, n)

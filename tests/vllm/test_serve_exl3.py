@@ -1,7 +1,7 @@
 """vLLM's OpenAI server on tiny EXL3 checkpoints, on the CPU: greedy completions must equal a transformers
 forward pass on the weights the checkpoint decodes to, token for token."""
 import pytest
-from serving import check_served
+from serving import PROMPTS, check_served
 
 from checkpoints import SERVE_BASE, save_exl3_dense, save_hf  # noqa: I001 (put on sys.path by serving)
 from xmoe.quant.convert import convert
@@ -25,7 +25,8 @@ def test_kernel_path_under_triton_interpreter(tmp_path):
     pytest.importorskip("triton")
     src = save_hf("qwen3_moe", tmp_path / "src", base=SERVE_BASE)
     convert(src, tmp_path / "moe", ConvertOptions(bits=3, encoder="beam", beam_width=16), ["cpu"])
-    check_served(src, tmp_path / "moe", "--max-num-batched-tokens", "128", env={"TRITON_INTERPRET": "1"})
+    check_served(src, tmp_path / "moe", env={"TRITON_INTERPRET": "1"},
+                 prompts=PROMPTS[:2], n=4)  # every interpreted step is slow: fewer than the torch path's
 
 
 def test_dense_llama_kernel_path_under_triton_interpreter(tmp_path):
@@ -34,7 +35,9 @@ def test_dense_llama_kernel_path_under_triton_interpreter(tmp_path):
     pytest.importorskip("triton")
     base = dict(SERVE_BASE, hidden_size=256, intermediate_size=256)  # head_dim 128: q 256, k and v 128
     src = save_hf("llama", tmp_path / "src", base=base)
-    check_served(src, save_exl3_dense(src, tmp_path / "dst", K=4), env={"TRITON_INTERPRET": "1"})
+    # two prompts, four tokens: every interpreted step runs all seven linears of both layers (4.5 min at 3 x 8)
+    check_served(src, save_exl3_dense(src, tmp_path / "dst", K=4), env={"TRITON_INTERPRET": "1"},
+                 prompts=PROMPTS[:2], n=4)
 
 
 def test_qwen3_moe_tensor_parallel_2(tmp_path):
