@@ -61,8 +61,7 @@ def _interpret(call: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
 
 
-# Under the interpreter each kernel runs once, at its cheapest K (a case costs about 2^K: K=6 took 8 minutes, K=4
-# nearly 3); the GPU runs every K. K is a compile-time constant of one source: the fp32 kernel's, and the fp16
+# Under the interpreter each kernel runs once, at its cheapest K (a case costs about 2^K); the GPU runs every K. K is a compile-time constant of one source: the fp32 kernel's, and the fp16
 # kernels' pairs (K=2); their single choices (K=3 and 4) on the GPU only.
 @pytest.mark.parametrize("K,codebook", CASES[:1])
 def test_interpreter_matches_reference(K, codebook):

@@ -35,7 +35,7 @@ def test_dense_llama_kernel_path_under_triton_interpreter(tmp_path):
     pytest.importorskip("triton")
     base = dict(SERVE_BASE, hidden_size=256, intermediate_size=256)  # head_dim 128: q 256, k and v 128
     src = save_hf("llama", tmp_path / "src", base=base)
-    # two prompts, four tokens: every interpreted step runs all seven linears of both layers (4.5 min at 3 x 8)
+    # two prompts, four tokens: every interpreted step runs all seven linears of both layers
     check_served(src, save_exl3_dense(src, tmp_path / "dst", K=4), env={"TRITON_INTERPRET": "1"},
                  prompts=PROMPTS[:2], n=4)
 
