@@ -124,6 +124,48 @@ def encode_tables(runs: list[dict]) -> list[str]:
                   "commit (date)"), rows)
 
 
+def _decode(row: dict, streams: int) -> float | None:
+    got = [d for d in row.get("speed", {}).get("decode", []) if d["streams"] == streams and not d.get("error")]
+    return got[0]["aggregate_tok_s"] if got else None
+
+
+def _prefill(row: dict, tokens: int) -> float | None:
+    got = [p for p in row.get("speed", {}).get("prefill", [])
+           if p["target_tokens"] >= tokens and p["streams"] == 1 and not p.get("error")]
+    return got[0]["prefill_tok_s"] if got else None
+
+
+def _num(x: float | None, ratio: float | None = None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" + (f" ({x / ratio:.2f}x)" if ratio else "")
+
+
+def serve_tables(runs: list[dict]) -> list[str]:
+    """Decode and prefill tokens/s per served variant (EXL3 rows with their ratio to bf16 at equal layers in the
+    same run), then memory and the decode step's profile."""
+    speed, shape = [], []
+    for run in runs:
+        bf16 = {r["layers"]: r for r in run["rows"] if r["variant"].startswith("bf16")}
+        for r in run["rows"]:
+            base = bf16.get(r["layers"]) if not r["variant"].startswith("bf16") else None
+            cells = [_num(_decode(r, s), base and _decode(base, s)) for s in (1, 4, 16)]
+            cells += [_num(_prefill(r, n), base and _prefill(base, n)) for n in (2048, 16384)]
+            speed.append([r["variant"], *cells, provenance([run])])
+            prof, size = r.get("profile", {}), r["tensor_bytes"]["total"] / 2 ** 30
+            loaded = r.get("loaded_gib")
+            shape.append([r["variant"], f"{loaded:.2f}" if loaded else "-", f"{size:.2f}",
+                          f"{loaded / size:.3f}" if loaded else "-",
+                          f"{prof['step_us'] / 1000:.2f}" if "step_us" in prof else "-",
+                          f"{prof['moe_us'] / 1000:.2f}" if "moe_us" in prof else "-",
+                          f"{prof['moe_share']:.0%}" if "moe_share" in prof else "-", provenance([run])])
+    head = ("variant (kind-layers)", "decode tok/s 1 stream", "4 streams", "16 streams", "prefill tok/s 2K",
+            "16K", "commit (date)")
+    return [*table(head, speed), "", *table(("variant", "loaded GiB (vLLM)", "tensors GiB", "loaded / tensors",
+                                             "decode step ms (1 stream)", "MoE ms", "MoE share", "commit (date)"),
+                                            shape)]
+
+
 MEASURES = [  # (title, how a run is recognised, its tables)
     ("Fused MoE at DeepSeek-V4.1's per-rank shapes (`benchmarks/moe_kernel.py`)",
      lambda r: "cases" in r and r["cases"] and "tokens" in r["cases"][0], moe_tables),
@@ -133,6 +175,9 @@ MEASURES = [  # (title, how a run is recognised, its tables)
      merged_tables),
     ("`xmoe quantize` (`benchmarks/quantize.py`)", lambda r: "projected_hours_one_gpu" in r, quantize_tables),
     ("The Viterbi encoder (`benchmarks/encode.py`)", lambda r: "encoders" in r, encode_tables),
+    ("Whole-model serving through vLLM: a DeepSeek-V4.1-shaped MoE, EXL3 K=2 MCG experts against bf16 "
+     "(`benchmarks/serve_gpu.py`; in brackets: EXL3 / bf16 at equal layers, same run)",
+     lambda r: "rows" in r and r["rows"] and "variant" in r["rows"][0], serve_tables),
 ]
 
 

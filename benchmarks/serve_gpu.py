@@ -180,8 +180,16 @@ def main() -> int:
         rows.append(measure(kind, int(layers), args.work, args))
         print(json.dumps(rows[-1], indent=1), flush=True)
         if args.json:  # after each variant: a later failure keeps what was measured
-            args.json.write_text(json.dumps({"gpu": gpu_name(), "rows": rows}, indent=1))
+            args.json.write_text(json.dumps({"gpu": gpu_name(), **provenance(), "rows": rows}, indent=1))
     return 0
+
+
+def provenance() -> dict:
+    """The commit (XMOE_COMMIT, for a copy of the tree without .git, else git) and the date of the run."""
+    import os
+    commit = os.environ.get("XMOE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+    return {"date": time.strftime("%Y-%m-%d"), **({"commit": commit} if commit else {})}
 
 
 def gpu_name() -> str:
