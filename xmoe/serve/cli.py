@@ -53,7 +53,8 @@ def options_from_args(args, model: Path, demo: bool):
     from .options import ServeOptions, cuda_gpus, demo_defaults, machine_defaults
     names = ServeOptions.__dataclass_fields__.keys() - {"model", "api_key", "extra_args", "config"}
     given = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
-    values = {**DEFAULTS, **machine_defaults(cuda_gpus()), **(demo_defaults() if demo else {}), **given}
+    gpus = cuda_gpus()
+    values = {**DEFAULTS, **machine_defaults(gpus), **(demo_defaults(gpus) if demo else {}), **given}
     extra = getattr(args, "extra", [])
     return ServeOptions(model=model, api_key=args.api_key or os.environ.get("API_KEY") or None,
                         extra_args=tuple(extra), **values)

@@ -128,8 +128,9 @@ def machine_defaults(gpus: int) -> dict:
     return {} if gpus else dict(eager=True, cpu_threads=max(1, len(os.sched_getaffinity(0)) - 1))
 
 
-def demo_defaults() -> dict:
-    """Settings for the demo model, served on the CPU of a small machine (fp32 compute of bf16 weights: the
-    served numbers are those of the reference model's arithmetic)."""
-    return dict(machine_defaults(gpus=0), served_model_name="xmoe-demo", max_model_len=2048,
-                kv_cache_bytes=2 ** 30, max_num_seqs=32, dtype="float32", tool_call_parser="hermes")
+def demo_defaults(gpus: int = 0) -> dict:
+    """Settings for the demo model. On the CPU of a small machine fp32 compute of its bf16 weights (the served
+    numbers are those of the reference model's arithmetic); on a GPU bf16 with CUDA graphs, the dtypes the
+    kernels take there."""
+    return dict(machine_defaults(gpus), served_model_name="xmoe-demo", max_model_len=2048, kv_cache_bytes=2 ** 30,
+                max_num_seqs=32, dtype="bfloat16" if gpus else "float32", tool_call_parser="hermes")
