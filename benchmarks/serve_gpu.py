@@ -27,9 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPE = dict(hidden_size=5120, moe_intermediate_size=1152, intermediate_size=1152, n_routed_experts=384,
              num_experts_per_tok=6, n_shared_experts=1, num_attention_heads=8, num_key_value_heads=1, head_dim=128,
              vocab_size=32000)
-MOE_KERNELS = re.compile(r"grouped_mma|route|act_epilogue|combine|dense_gemm|gemv|exl3|fused_moe|moe_align|"
-                         r"topk|moe_sum|silu_and_mul_moe|_moe", re.I)
+# Kernel names by part of the step. Routed experts: xmoe's kernels, or vLLM's fused MoE for bf16. Routing: the
+# top-k after the router's GEMM (a plain GEMV, counted with the rest).
+EXPERT_KERNELS = re.compile(r"grouped_mma|grouped_gemv|route_rotate|act_epilogue|combine_|dense_gemm|decode_experts|"
+                            r"fused_moe_kernel|moe_align|moe_sum|count_and_sort|act_and_mul", re.I)
+ROUTING_KERNELS = re.compile(r"topk", re.I)
 ATTENTION_KERNELS = re.compile(r"flash|fmha|attn|attention|reshape_and_cache", re.I)
+
+
+def kind_of(kernel: str) -> str:
+    for kind, pattern in (("experts", EXPERT_KERNELS), ("routing", ROUTING_KERNELS), ("attention", ATTENTION_KERNELS)):
+        if pattern.search(kernel):
+            return kind
+    return "other"
 
 
 def model_dir(root: Path, kind: str, layers: int, bits: float, max_len: int) -> Path:
@@ -82,8 +92,7 @@ def loaded_gib(log: str) -> float | None:
 
 
 def step_profile(trace_dir: Path, layers: int) -> dict:
-    """Kernel time of the profiled decode steps by kind, per step: MoE (routing, experts, combine), attention,
-    everything else. Steps are counted by the model's last kernel before sampling (the LM head GEMM's launch
+    """Kernel time of the profiled decode steps by kind, per step: routed experts, routing, attention, the rest. Steps are counted by the model's last kernel before sampling (the LM head GEMM's launch
     count is unreliable under graphs, so the count of the most frequent per-layer kernel / layers is used)."""
     files = sorted(trace_dir.rglob("*.json.gz")) + sorted(trace_dir.rglob("*.json"))
     worker = [f for f in files if "rank" in f.name or "worker" in f.name.lower()] or files
@@ -92,12 +101,11 @@ def step_profile(trace_dir: Path, layers: int) -> dict:
     with (gzip.open if worker[-1].suffix == ".gz" else open)(worker[-1], "rt") as f:
         events = json.load(f)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
-    total = {"moe": 0.0, "attention": 0.0, "other": 0.0}
+    total = {"experts": 0.0, "routing": 0.0, "attention": 0.0, "other": 0.0}
     counts: dict[str, int] = {}
     for k in kernels:
         name = k["name"]
-        kind = "moe" if MOE_KERNELS.search(name) else "attention" if ATTENTION_KERNELS.search(name) else "other"
-        total[kind] += k["dur"]
+        total[kind_of(name)] += k["dur"]
         counts[name] = counts.get(name, 0) + 1
     per_layer = [c for n, c in counts.items() if ATTENTION_KERNELS.search(n)]
     steps = max(per_layer) // layers if per_layer else 0
@@ -105,7 +113,8 @@ def step_profile(trace_dir: Path, layers: int) -> dict:
         return {"error": "no attention kernel in the trace: steps not countable", "kernels": len(kernels)}
     top = sorted(((sum(k["dur"] for k in kernels if k["name"] == n), n) for n in counts), reverse=True)[:12]
     return {"steps": steps, **{f"{k}_us": v / steps for k, v in total.items()},
-            "step_us": sum(total.values()) / steps, "moe_share": total["moe"] / max(sum(total.values()), 1e-9),
+            "step_us": sum(total.values()) / steps,
+            "experts_share": total["experts"] / max(sum(total.values()), 1e-9),
             "top_kernels_us_per_step": {n: d / steps for d, n in top}}
 
 
@@ -115,7 +124,9 @@ def serve(path: Path, name: str, work: Path, args) -> "Server":
     prof = work / f"trace-{name}"
     profiler = {"profiler": "torch", "torch_profiler_dir": str(prof), "torch_profiler_with_stack": False,
                 "ignore_frontend": True}
-    extra = ("--load-format", "dummy", "--gpu-memory-utilization", str(args.gpu_memory),
+    # no prefix caching: the synthetic word tokenizer reads any text as one repeated token, so every prompt would
+    # be a cache hit and prefill would not be measured
+    extra = ("--load-format", "dummy", "--gpu-memory-utilization", str(args.gpu_memory), "--no-enable-prefix-caching",
              "--profiler-config", json.dumps(profiler), *args.vllm_arg)
     opts = ServeOptions(path, served_model_name=name, port=args.port, max_model_len=args.max_len,
                         max_num_seqs=max(args.streams), dtype="bfloat16", eager=args.eager, extra_args=extra)

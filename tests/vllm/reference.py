@@ -46,11 +46,28 @@ def set_decoded(model, key: str, w: torch.Tensor) -> None:
         experts.gate_up_proj.data[e, rows] = w[: experts.gate_up_proj.shape[2], :inter].T
 
 
-def reference_tokens(src: Path, dst: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+def reference_model(src: Path, dst: Path):
+    """transformers' model of `src` in fp32 with every tensor that `dst` holds as EXL3 set to its decoding."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     for key, t in exl3_tensors(dst).items():
         set_decoded(model, key, decode_weight(t))
+    return model
+
+
+def served_ranks(src: Path, dst: Path, prompts: list[list[int]], served: list[list[int]]) -> list[torch.Tensor]:
+    """For each served continuation, the rank of every served token among the reference's logits given the
+    same prefix (teacher forcing; 0 where the reference would have picked it too)."""
+    model, out = reference_model(src, dst), []
+    for p, got in zip(prompts, served):
+        with torch.no_grad():
+            logits = model(torch.tensor([p + got])).logits[0, len(p) - 1:-1]
+        out.append((logits > logits.gather(-1, torch.tensor(got)[:, None])).sum(-1))
+    return out
+
+
+def reference_tokens(src: Path, dst: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    model = reference_model(src, dst)
     out = []
     for p in prompts:
         ids = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)

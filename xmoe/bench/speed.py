@@ -156,7 +156,8 @@ def batch(client: Client, force: Forcing, prompts: list[list[dict]], n: int) -> 
 
 
 def decode(client: Client, force: Forcing, prompts: list[list[dict]], opts: SpeedOptions, n_long: int) -> dict:
-    batch(client, force, prompts, 1)                          # warm the prefix cache
+    # warm-up, not timed: the prompts' prefix cache, and kernels a server compiles at first use of a batch size
+    batch(client, force, prompts, opts.short)
     runs = repeated(lambda: (batch(client, force, prompts, opts.short), batch(client, force, prompts, n_long)),
                     opts.repeats)
     short, long = [s for s, _ in runs], [l for _, l in runs]
@@ -173,7 +174,9 @@ def decode(client: Client, force: Forcing, prompts: list[list[dict]], opts: Spee
 
 def prefill(client: Client, force: Forcing, prompts: Prompts, length: int, streams: int, repeats: int) -> dict:
     """`streams` fresh prompts of `length` tokens sent at once, one token generated; aggregate prompt tokens/s."""
-    runs = repeated(lambda: batch(client, force, [prompts.make(length) for _ in range(streams)], 1), repeats)
+    fresh = lambda: [prompts.make(length) for _ in range(streams)]  # noqa: E731
+    batch(client, force, fresh(), 1)  # warm-up, not timed: kernels compiled at first use of this length
+    runs = repeated(lambda: batch(client, force, fresh(), 1), repeats)
     t = statistics.median(t for t, _ in runs)
     total = statistics.median(sum(u["prompt_tokens"] for u in us) for _, us in runs)
     return {"target_tokens": length, "streams": streams, "prompt_tokens": total / streams, "seconds": t,

@@ -24,8 +24,8 @@ def canonical(name: str) -> str:
 
 
 def installed(target: str | None) -> set[str]:
-    paths = [target] if target else None
-    return {canonical(d.metadata["Name"]) for d in importlib.metadata.distributions(path=paths) if d.metadata["Name"]}
+    where = {"path": [target]} if target else {}  # path=None is an error on Python 3.12: leave it out
+    return {canonical(d.metadata["Name"]) for d in importlib.metadata.distributions(**where) if d.metadata["Name"]}
 
 
 def find(piece: str, folders: list[Path]) -> Path:

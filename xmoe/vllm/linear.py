@@ -13,6 +13,39 @@ from .loading import collector
 
 log = logging.getLogger(__name__)
 
+# The loaded layers' EXL3 weights by index. vLLM compiles the model with torch.compile, whose tracer must not
+# step into the kernels' host code (planning, tables, file reads): each layer runs as one opaque op that sees
+# only its input and the index here.
+_KERNELS: list = []
+
+
+def _run(x: torch.Tensor, weights, backend: str) -> torch.Tensor:
+    """Exl3Slices as one set of launches, or a list of Exl3Weight one by one, outputs side by side."""
+    if isinstance(weights, Exl3Slices):
+        return exl3_linear_slices(x, weights, backend=backend)
+    y = [exl3_linear(x, w, backend=backend) for w in weights]
+    return y[0] if len(y) == 1 else torch.cat(y, dim=-1)
+
+
+def _out_features(weights) -> int:
+    return weights.out_features if isinstance(weights, Exl3Slices) else sum(w.out_features for w in weights)
+
+
+@torch.library.custom_op("xmoe::exl3_linear", mutates_args=())
+def exl3_linear_op(x: torch.Tensor, index: int, backend: str) -> torch.Tensor:
+    return _run(x, _KERNELS[index], backend)
+
+
+@exl3_linear_op.register_fake
+def _(x: torch.Tensor, index: int, backend: str) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], _out_features(_KERNELS[index]))
+
+
+def register_kernel(weights) -> int:
+    """The index under which exl3_linear_op finds `weights` (an Exl3Slices or a list of Exl3Weight)."""
+    _KERNELS.append(weights)
+    return len(_KERNELS) - 1
+
 
 class Exl3LinearMethod(LinearMethodBase):
     def __init__(self, suffixes: frozenset, backend: str, prefix: str = "layer"):
@@ -36,9 +69,9 @@ class Exl3LinearMethod(LinearMethodBase):
         if self.backend == "triton":
             layer._weights = [self._slice(layer._exl3[key], row_parallel, rank, in_part, in_full, out)
                               .to(layer._exl3_device) for key, out in zip(shards, out_parts)]
-            layer._slices = self._merge(layer._weights)
-            if layer._slices is not None:
-                layer._weights = None
+            slices = self._merge(layer._weights)
+            layer._exl3_index = register_kernel(slices if slices is not None else layer._weights)
+            del layer._weights
             for suffix in self.suffixes:
                 delattr(layer, suffix)
             del layer._exl3
@@ -76,12 +109,8 @@ class Exl3LinearMethod(LinearMethodBase):
             return None
 
     def apply(self, layer, x, bias=None):
-        if self.backend == "triton" and layer._slices is not None:
-            y = exl3_linear_slices(x, layer._slices, backend="triton")
-            return y if bias is None else y + bias
         if self.backend == "triton":
-            y = [exl3_linear(x, w, backend="triton") for w in layer._weights]
-            y = y[0] if len(y) == 1 else torch.cat(y, dim=-1)
+            y = exl3_linear_op(x, layer._exl3_index, "triton")
             return y if bias is None else y + bias
         return torch.nn.functional.linear(x, layer.weight, bias)
 
