@@ -153,17 +153,17 @@ def serve_tables(runs: list[dict]) -> list[str]:
             cells += [_num(_prefill(r, n), base and _prefill(base, n)) for n in (2048, 16384)]
             speed.append([r["variant"], *cells, provenance([run])])
             prof, size = r.get("profile", {}), r["tensor_bytes"]["total"] / 2 ** 30
-            loaded = r.get("loaded_gib")
+            loaded, experts = r.get("loaded_gib"), prof.get("experts_us")
             shape.append([r["variant"], f"{loaded:.2f}" if loaded else "-", f"{size:.2f}",
                           f"{loaded / size:.3f}" if loaded else "-",
                           f"{prof['step_us'] / 1000:.2f}" if "step_us" in prof else "-",
-                          f"{prof['moe_us'] / 1000:.2f}" if "moe_us" in prof else "-",
-                          f"{prof['moe_share']:.0%}" if "moe_share" in prof else "-", provenance([run])])
+                          f"{experts / 1000:.2f}" if experts is not None else "-",
+                          f"{experts / r['layers']:.1f}" if experts is not None else "-", provenance([run])])
     head = ("variant (kind-layers)", "decode tok/s 1 stream", "4 streams", "16 streams", "prefill tok/s 2K",
             "16K", "commit (date)")
     return [*table(head, speed), "", *table(("variant", "loaded GiB (vLLM)", "tensors GiB", "loaded / tensors",
-                                             "decode step ms (1 stream)", "MoE ms", "MoE share", "commit (date)"),
-                                            shape)]
+                                             "decode step ms (kernels, 1 stream)", "routed-expert kernels ms",
+                                             "per layer us", "commit (date)"), shape)]
 
 
 MEASURES = [  # (title, how a run is recognised, its tables)

@@ -2,6 +2,7 @@
 (`--middleware xmoe.serve.ready.ReadyMessage`), because the launcher hands its process over to vLLM's server,
 and the server's startup (after the engine is built and the socket bound) is the moment it is ready."""
 import json
+import os
 import shlex
 import sys
 
@@ -28,6 +29,13 @@ def _keyed(args) -> bool:
     return bool(envs.VLLM_API_KEY)
 
 
+def announce(text: str) -> None:
+    """Straight to the stdout file descriptor: vLLM 0.26 prefixes every line written through sys.stdout with its
+    process name, which would break the curl line for copying."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (text + "\n").encode())
+
+
 class ReadyMessage:
     def __init__(self, app):
         self.app = app
@@ -41,6 +49,6 @@ class ReadyMessage:
             if message["type"] == "lifespan.startup.complete":
                 args = getattr(getattr(scope.get("app"), "state", None), "args", None)
                 if args is not None:
-                    print(ready_message(args), file=sys.stdout, flush=True)
+                    announce(ready_message(args))
 
         return await self.app(scope, receive, send_and_announce)
