@@ -21,8 +21,8 @@ from .tuning import DEFAULT, Tile, Tuning, tuning_for
 from .weights import Exl3Experts, Exl3Slices, Exl3Weight
 
 __all__ = ["BACKENDS", "DEFAULT", "Exl3Experts", "Exl3Slices", "Exl3Weight", "Tile", "Tuning", "activation_ref",
-           "decode_experts", "exl3_linear", "exl3_linear_slices", "fused_moe", "pick_backend", "triton_refusal",
-           "tuning_for"]
+           "decode_experts", "exl3_linear", "exl3_linear_op", "exl3_linear_slices", "fused_moe", "pick_backend",
+           "register_linear", "triton_refusal", "tuning_for"]
 BACKENDS = ("auto", "triton", "torch")
 log = logging.getLogger(__name__)
 
@@ -138,3 +138,37 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     if pick_backend(backend, x.device) == "torch":
         return fused_moe_ref(x, topk_ids, topk_weights, experts, limit, expert_map)
     return fused_moe_triton(x, topk_ids, topk_weights, experts, limit, expert_map, tuning)
+
+
+# Registered layers' EXL3 weights by index. torch.compile (vLLM compiles every model with it) must not trace the
+# kernels' host code (planning, tables, file reads): exl3_linear_op is one opaque op that sees only its input and
+# the index here.
+_KERNELS: list = []
+
+
+def _run(x: torch.Tensor, weights, backend: str) -> torch.Tensor:
+    """Exl3Slices as one set of launches, or a list of Exl3Weight one by one, outputs side by side."""
+    if isinstance(weights, Exl3Slices):
+        return exl3_linear_slices(x, weights, backend=backend)
+    y = [exl3_linear(x, w, backend=backend) for w in weights]
+    return y[0] if len(y) == 1 else torch.cat(y, dim=-1)
+
+
+def _out_features(weights) -> int:
+    return weights.out_features if isinstance(weights, Exl3Slices) else sum(w.out_features for w in weights)
+
+
+@torch.library.custom_op("xmoe::exl3_linear", mutates_args=())
+def exl3_linear_op(x: torch.Tensor, index: int, backend: str) -> torch.Tensor:
+    return _run(x, _KERNELS[index], backend)
+
+
+@exl3_linear_op.register_fake
+def _(x: torch.Tensor, index: int, backend: str) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], _out_features(_KERNELS[index]))
+
+
+def register_linear(weights) -> int:
+    """The index under which exl3_linear_op finds `weights` (an Exl3Slices or a list of Exl3Weight)."""
+    _KERNELS.append(weights)
+    return len(_KERNELS) - 1

@@ -8,43 +8,10 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
 
 from ..format.layer import decode_weight, slice_layer
-from ..kernels.ops import Exl3Slices, Exl3Weight, exl3_linear, exl3_linear_slices
+from ..kernels.ops import Exl3Slices, Exl3Weight, exl3_linear_op, register_linear
 from .loading import collector
 
 log = logging.getLogger(__name__)
-
-# The loaded layers' EXL3 weights by index. vLLM compiles the model with torch.compile, whose tracer must not
-# step into the kernels' host code (planning, tables, file reads): each layer runs as one opaque op that sees
-# only its input and the index here.
-_KERNELS: list = []
-
-
-def _run(x: torch.Tensor, weights, backend: str) -> torch.Tensor:
-    """Exl3Slices as one set of launches, or a list of Exl3Weight one by one, outputs side by side."""
-    if isinstance(weights, Exl3Slices):
-        return exl3_linear_slices(x, weights, backend=backend)
-    y = [exl3_linear(x, w, backend=backend) for w in weights]
-    return y[0] if len(y) == 1 else torch.cat(y, dim=-1)
-
-
-def _out_features(weights) -> int:
-    return weights.out_features if isinstance(weights, Exl3Slices) else sum(w.out_features for w in weights)
-
-
-@torch.library.custom_op("xmoe::exl3_linear", mutates_args=())
-def exl3_linear_op(x: torch.Tensor, index: int, backend: str) -> torch.Tensor:
-    return _run(x, _KERNELS[index], backend)
-
-
-@exl3_linear_op.register_fake
-def _(x: torch.Tensor, index: int, backend: str) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], _out_features(_KERNELS[index]))
-
-
-def register_kernel(weights) -> int:
-    """The index under which exl3_linear_op finds `weights` (an Exl3Slices or a list of Exl3Weight)."""
-    _KERNELS.append(weights)
-    return len(_KERNELS) - 1
 
 
 class Exl3LinearMethod(LinearMethodBase):
@@ -70,7 +37,7 @@ class Exl3LinearMethod(LinearMethodBase):
             layer._weights = [self._slice(layer._exl3[key], row_parallel, rank, in_part, in_full, out)
                               .to(layer._exl3_device) for key, out in zip(shards, out_parts)]
             slices = self._merge(layer._weights)
-            layer._exl3_index = register_kernel(slices if slices is not None else layer._weights)
+            layer._exl3_index = register_linear(slices if slices is not None else layer._weights)
             del layer._weights
             for suffix in self.suffixes:
                 delattr(layer, suffix)
