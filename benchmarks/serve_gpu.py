@@ -9,7 +9,8 @@ codebook): the kernels' time does not depend on the stored values, and a 40-laye
 writing 70 GB. Per variant it reports, from one server:
 - decode tokens/s at 1, 4 and 16 streams and prefill tokens/s (`xmoe bench speed`);
 - GPU memory of the loaded model (vLLM's own count) against the size of its tensors;
-- where a decode step's time goes: a torch-profiler trace of captured steps, kernels summed by kind.
+- where a decode step's time goes: a torch-profiler trace of captured steps, kernels summed by kind;
+- with --soak SECONDS, the last variant under that many seconds of streaming clients: requests and failures.
 
     python benchmarks/serve_gpu.py --variant bf16:4 exl3:4 exl3:40 --json out.json
 """
@@ -166,7 +167,17 @@ def measure(kind: str, layers: int, work: Path, args) -> dict:
             trace = work / f"trace-{name}"
             profile_decode(server, trace, args.profile_tokens)
             row["profile"] = step_profile(trace, layers)
+        if args.soak and is_last(args, kind, layers):
+            from xmoe.serve.load import LoadOptions, run_load
+            report = run_load(server.base_url, None, server.model, LoadOptions(clients=max(args.streams),
+                                                                               seconds=args.soak, max_tokens=256))
+            row["soak"] = {**report.summary(), "errors": report.errors[:10]}
     return row
+
+
+def is_last(args, kind: str, layers: int) -> bool:
+    """The soak runs on the last variant asked for (the deepest pack, as the docstring's example orders them)."""
+    return args.variant[-1] == f"{kind}:{layers}"
 
 
 def main() -> int:
@@ -180,6 +191,8 @@ def main() -> int:
     p.add_argument("--gpu-memory", type=float, default=0.92, help="vLLM's --gpu-memory-utilization")
     p.add_argument("--profile-tokens", type=int, default=32, help="decode steps in the profile (0: none)")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (for comparison only)")
+    p.add_argument("--soak", type=float, default=0, help="seconds of streaming clients (as many as the most "
+                   "streams) on the last variant; every failed request is reported")
     p.add_argument("--vllm-arg", action="append", default=[], help="passed to vLLM as is")
     p.add_argument("--port", type=int, default=8391)
     p.add_argument("--work", type=Path, default=Path("/tmp/xmoe-serve-gpu"))

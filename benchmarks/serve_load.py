@@ -24,9 +24,10 @@ def free_port() -> int:
 
 def demo_server(variant: str, log: Path):
     from xmoe.serve.demo import demo_model
-    from xmoe.serve.options import ServeOptions, demo_defaults
+    from xmoe.serve.options import ServeOptions, cuda_gpus, demo_defaults
     from xmoe.serve.server import Server
-    options = ServeOptions(demo_model(variant), **demo_defaults(), port=free_port(), api_key=secrets.token_hex(16))
+    options = ServeOptions(demo_model(variant), **demo_defaults(cuda_gpus()), port=free_port(),
+                           api_key=secrets.token_hex(16))
     return Server(options, log)
 
 
