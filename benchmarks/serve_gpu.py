@@ -171,7 +171,7 @@ def measure(kind: str, layers: int, work: Path, args) -> dict:
             from xmoe.serve.load import LoadOptions, run_load
             report = run_load(server.base_url, None, server.model, LoadOptions(clients=max(args.streams),
                                                                                seconds=args.soak, max_tokens=256))
-            row["soak"] = {**report.summary(), "errors": report.errors[:10]}
+            row["soak"] = {**report.summary(), "first_errors": [str(e) for e in report.errors[:10]]}
     return row
 
 
