@@ -1,10 +1,14 @@
-"""The plugin's fix for calls of tools without parameters, on vLLM's own structural-tag builder (no server)."""
+"""The plugin's tool-call corrections (no server): calls of tools without parameters, on vLLM's own structural-tag
+builder, and tool schemas no value satisfies, as bad requests."""
 import importlib
 import json
 import sys
 from types import SimpleNamespace
 
-from xmoe.vllm.tools import NO_PARAMETERS, REGISTRY, USERS, no_parameters_as_empty_object, patch_tool_arguments
+import pytest
+
+from xmoe.vllm.tools import (GUIDANCE, NO_PARAMETERS, REGISTRY, USERS, XGRAMMAR_TAG, errors_as_bad_requests,
+                             no_parameters_as_empty_object, patch_tool_arguments)
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
 
@@ -44,3 +48,36 @@ def test_patch_on_vllms_registry(monkeypatch):
     assert _schemas(registry, [weather], "required", "PARAMETER") == [WEATHER] * 2
     assert _schemas(registry, [weather], "required", "AUTO") == [True] * 2  # the level, not the patch, holds these
     assert not patch_tool_arguments()  # idempotent
+
+
+def test_guidance_errors_become_bad_requests_with_xgrammars_reason():
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    never = {"type": "integer", "minimum": 5, "maximum": 1}
+    tag = {"type": "structural_tag", "format": {"type": "tags_with_separator", "separator": "", "at_least_one": True,
+           "tags": [{"type": "tag", "begin": "<t>", "content": {"type": "json_schema", "json_schema": never},
+                     "end": "</t>"}]}}
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag=json.dumps(tag)))
+
+    def vllm_0_26(sampling_params, tokenizer=None):  # llguidance's validator on an xgrammar structural tag
+        raise KeyError("triggers")
+
+    def rejects(sampling_params, tokenizer=None):
+        raise ValueError("Grammar error: x")
+    with pytest.raises(ValueError, match="minimum greater than maximum"):
+        errors_as_bad_requests(vllm_0_26)(params)
+    with pytest.raises(ValueError, match="Grammar error: x"):  # already a bad request: as it was
+        errors_as_bad_requests(rejects)(params)
+
+
+def test_guidance_validator_patched_exactly_where_it_cannot_read_structural_tags(monkeypatch):
+    from vllm.sampling_params import StructuredOutputsParams
+    guidance = importlib.import_module(GUIDANCE)
+    original = getattr(guidance.validate_guidance_grammar, "__wrapped__", guidance.validate_guidance_grammar)
+    monkeypatch.setattr(guidance, "validate_guidance_grammar", original)  # put back afterwards
+    try:
+        original(SimpleNamespace(structured_outputs=StructuredOutputsParams(structural_tag=XGRAMMAR_TAG)))
+        fails = False
+    except Exception as e:
+        fails = isinstance(e, KeyError)  # 0.26; 0.32 answers a bad request itself
+    patch_tool_arguments()
+    assert (guidance.validate_guidance_grammar is not original) == fails

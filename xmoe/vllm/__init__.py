@@ -1,5 +1,5 @@
 """The vLLM plugin: registers the `exl3` quantization method (entry point `vllm.general_plugins`), and in the
-OpenAI server's process makes calls of tools without parameters return `{}` (see tools.py).
+OpenAI server's process corrects two tool-call behaviours of vLLM's structural-tag path (see tools.py).
 
 vLLM runs the hook in every one of its processes, so registration is idempotent.
 """
@@ -10,7 +10,7 @@ def register() -> None:
     global _registered
     from .tools import patch_tool_arguments
 
-    patch_tool_arguments()  # idempotent; each call looks again whether the server has loaded vLLM's tool grammars
+    patch_tool_arguments()  # idempotent; each call looks again whether this is the server, with tool parsers loaded
     if _registered:
         return
     import vllm
