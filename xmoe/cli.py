@@ -119,20 +119,7 @@ def _inspect(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="xmoe", description="Giant MoE models at ~2 bits per weight (EXL3).")
-    p.add_argument("--version", action="version", version=f"xmoe {__version__}")
-    p.add_argument("-v", "--verbose", action="store_true", help="log decisions (backends, progress)")
-    sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="quantize and decode a random layer at several bit widths")
-    d.add_argument("--bits", type=float, nargs="+", default=[2, 3, 4])
-    d.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1"])
-    d.add_argument("--encoder", default="beam", choices=["viterbi", "beam"])
-    d.add_argument("--in-features", type=int, default=512)
-    d.add_argument("--out-features", type=int, default=384)
-    d.add_argument("--seed", type=int, default=0)
-    d.set_defaults(func=_demo)
-
+def _add_quantize_parser(sub) -> None:
     q = sub.add_parser("quantize", help="re-encode a Hugging Face MoE checkpoint's routed experts as EXL3")
     q.add_argument("src", help="Hugging Face model directory (safetensors shards, config.json)")
     q.add_argument("dst", help="output directory (resumes an interrupted run)")
@@ -166,6 +153,23 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--beam-width", type=int, default=64)
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(func=_quantize)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="xmoe", description="Giant MoE models at ~2 bits per weight (EXL3).")
+    p.add_argument("--version", action="version", version=f"xmoe {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log decisions (backends, progress)")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="quantize and decode a random layer at several bit widths")
+    d.add_argument("--bits", type=float, nargs="+", default=[2, 3, 4])
+    d.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1"])
+    d.add_argument("--encoder", default="beam", choices=["viterbi", "beam"])
+    d.add_argument("--in-features", type=int, default=512)
+    d.add_argument("--out-features", type=int, default=384)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=_demo)
+
+    _add_quantize_parser(sub)
 
     i = sub.add_parser("inspect", help="print what a model directory holds")
     i.add_argument("dir")
