@@ -167,7 +167,8 @@ def model_table(args) -> list[dict]:
     keep = () if args.layers == list(range(LAYERS)) else (
         rf"^model\.layers\.(?!({'|'.join(map(str, args.layers))})\.)\d+\.",)
     encoders = {f"xmoe ({inputs} inputs)": (jobs.quantize_ldlq, inputs) for inputs in args.inputs}
-    encoders["xmoe uncalibrated"] = (None, None)
+    if not args.no_uncalibrated:
+        encoders["xmoe uncalibrated"] = (None, None)
     if not args.ours_only:
         theirs = exl3_quantizer()
 
@@ -208,6 +209,8 @@ def main() -> int:
     p.add_argument("--ours-only", action="store_true", help="xmoe's side only (no GPU, no exllamav3)")
     p.add_argument("--inputs", nargs="+", default=["quantized"], choices=["quantized", "original"],
                    help="model table: where each layer's calibration states come from (xmoe rows)")
+    p.add_argument("--no-uncalibrated", action="store_true",
+                   help="model table: no uncalibrated pack (its figure is already known for these settings)")
     p.add_argument("--work", default="/tmp/xmoe-calibration-bench", help="captured weights and Hessians")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
