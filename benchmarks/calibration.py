@@ -43,6 +43,7 @@ from xmoe.quant.ldlq import quantize_ldlq  # noqa: E402
 from xmoe.quant.linear import quantize_linear  # noqa: E402
 
 ROLES = ("gate", "up", "down")
+SETTINGS = ("codebook", "rows", "cols", "tokens", "beam_width")  # recorded with the rows of a --json file
 
 
 def exl3_quantizer():
@@ -227,7 +228,10 @@ def main() -> int:
             print(f"{r['encoder']:<30} {r['K']:>4g} {r['kl_mean']:>8.4f} {r['ppl']:>8.2f} {r['ppl_reference']:>8.2f} "
                   f"{r['build_s']:>8.0f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        from common import run_info
+        run = {**run_info(), "calibration": args.table, "settings": {k: getattr(args, k) for k in SETTINGS},
+               "rows": rows}
+        Path(args.json).write_text(json.dumps(run, indent=1) + "\n")
     return 0
 
 

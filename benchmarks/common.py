@@ -127,7 +127,7 @@ def tuning_of(pairs: list, base=None):
 
 
 def run_info() -> dict:
-    """What a --json file says of its run: commit, date (UTC), GPU, torch and Triton."""
+    """What a --json file says of its run: commit, date (UTC), GPU ("CPU" without one), torch and Triton."""
     import datetime
     import subprocess
 
@@ -138,4 +138,4 @@ def run_info() -> dict:
     dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
     return dict(commit=commit + ("+changes" if dirty else ""), date=datetime.date.today().isoformat(),
-                gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", torch=torch.__version__, triton=triton.__version__)

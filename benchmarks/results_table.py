@@ -166,6 +166,28 @@ def serve_tables(runs: list[dict]) -> list[str]:
                                              "per layer us", "commit (date)"), shape)]
 
 
+def calibration_model_tables(runs: list[dict]) -> list[str]:
+    rows = []
+    for run in runs:
+        st = run["settings"]
+        for r in run["rows"]:
+            where = "all 30" if len(r["layers"]) == 30 else ", ".join(map(str, r["layers"]))
+            rows.append([r["encoder"], f"{r['K']:g} {st['codebook']}", where, f"{r['kl_mean']:.3f}",
+                         f"{r['ppl']:.2f} ({r['ppl_reference']:.2f})",
+                         f"{st['rows']} x {st['cols']}" if "uncalibrated" not in r["encoder"] else "-",
+                         provenance([run])])
+    return table(("encoder", "K", "layers with EXL3 experts", "KL to reference (nats/token)",
+                  "perplexity (reference)", "calibration tokens", "commit (date)"), rows)
+
+
+def calibration_layer_tables(runs: list[dict]) -> list[str]:
+    rows = [[r["layer"], r["tensor"], f"{r['K']:g} {run['settings']['codebook']}", f"{r['xmoe']:.4f}",
+             f"{r['exllamav3']:.4f}" if "exllamav3" in r else "-", f"{r['ratio']:.3f}" if "ratio" in r else "-",
+             f"{r['xmoe_uncalibrated']:.4f}", provenance([run])] for run in runs for r in run["rows"]]
+    return table(("layer", "tensor", "K", "ours", "exllamav3", "ours / exllamav3", "ours uncalibrated",
+                  "commit (date)"), rows)
+
+
 MEASURES = [  # (title, how a run is recognised, its tables)
     ("Fused MoE at DeepSeek-V4.1's per-rank shapes (`benchmarks/moe_kernel.py`)",
      lambda r: "cases" in r and r["cases"] and "tokens" in r["cases"][0], moe_tables),
@@ -178,13 +200,18 @@ MEASURES = [  # (title, how a run is recognised, its tables)
     ("Whole-model serving through vLLM: a DeepSeek-V4.1-shaped MoE, EXL3 K=2 MCG experts against bf16 "
      "(`benchmarks/serve_gpu.py`; in brackets: EXL3 / bf16 at equal layers, same run)",
      lambda r: "rows" in r and r["rows"] and "variant" in r["rows"][0], serve_tables),
+    ("Calibrated quantization, the demo model: KL to its unquantized reference on held-out text "
+     "(`benchmarks/calibration.py model`)", lambda r: r.get("calibration") == "model", calibration_model_tables),
+    ("Calibrated quantization, tensor by tensor: proxy error tr(E H E^T) / tr(W H W^T) on the demo reference's "
+     "weights (`benchmarks/calibration.py layers`)", lambda r: r.get("calibration") == "layers",
+     calibration_layer_tables),
 ]
 
 
 def render(data: Path) -> str:
     runs = load(data)
     out = [BEGIN]
-    for gpu in sorted({r["gpu"] for r in runs}):
+    for gpu in sorted({r["gpu"] for r in runs}, key=lambda g: (g == "CPU", g)):  # the GPUs first
         mine = [r for r in runs if r["gpu"] == gpu]
         out += ["", f"### {gpu}"]
         for title, recognise, tables in MEASURES:
