@@ -193,7 +193,9 @@ def save_exl3_dense(src: Path, dst: Path, K: float = 4) -> Path:
     for name, t in sorted(tensors.items()):
         if name.endswith("_proj.weight"):
             key = name.removesuffix(".weight")
-            out.update({f"{key}.{s}": v for s, v in quantize_linear(t.float(), K, "mcg", "beam", seed=len(out)).items()})
+            # a narrow beam: these packs test the serving path, not the encoder's quality
+            enc = quantize_linear(t.float(), K, "mcg", "beam", seed=len(out), beam_width=16)
+            out.update({f"{key}.{s}": v for s, v in enc.items()})
         else:
             out[name] = t
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
