@@ -208,8 +208,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=2048, help="model table: tokens of held-out text scored")
     p.add_argument("--beam-width", type=int, default=16, help="xmoe's CPU encoder (GPUs run the Viterbi)")
     p.add_argument("--ours-only", action="store_true", help="xmoe's side only (no GPU, no exllamav3)")
-    p.add_argument("--inputs", nargs="+", default=["quantized"], choices=["quantized", "original"],
-                   help="model table: where each layer's calibration states come from (xmoe rows)")
+    p.add_argument("--inputs", nargs="*", default=["quantized"], choices=["quantized", "original"],
+                   help="model table: where each layer's calibration states come from, one calibrated pack each "
+                        "(none: the uncalibrated pack alone)")
     p.add_argument("--no-uncalibrated", action="store_true",
                    help="model table: no uncalibrated pack (its figure is already known for these settings)")
     p.add_argument("--work", default="/tmp/xmoe-calibration-bench", help="captured weights and Hessians")
