@@ -138,4 +138,5 @@ def run_info() -> dict:
     dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()
     return dict(commit=commit + ("+changes" if dirty else ""), date=datetime.date.today().isoformat(),
-                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", torch=torch.__version__, triton=triton.__version__)
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU", torch=torch.__version__,
+                triton=triton.__version__)

@@ -93,8 +93,9 @@ def loaded_gib(log: str) -> float | None:
 
 
 def step_profile(trace_dir: Path, layers: int) -> dict:
-    """Kernel time of the profiled decode steps by kind, per step: routed experts, routing, attention, the rest. Steps are counted by the model's last kernel before sampling (the LM head GEMM's launch
-    count is unreliable under graphs, so the count of the most frequent per-layer kernel / layers is used)."""
+    """Kernel time of the profiled decode steps by kind, per step: routed experts, routing, attention, the rest.
+    Steps are counted by the model's last kernel before sampling (the LM head GEMM's launch count is unreliable
+    under graphs, so the count of the most frequent per-layer kernel / layers is used)."""
     files = sorted(trace_dir.rglob("*.json.gz")) + sorted(trace_dir.rglob("*.json"))
     worker = [f for f in files if "rank" in f.name or "worker" in f.name.lower()] or files
     if not worker:

@@ -174,7 +174,9 @@ def decode(client: Client, force: Forcing, prompts: list[list[dict]], opts: Spee
 
 def prefill(client: Client, force: Forcing, prompts: Prompts, length: int, streams: int, repeats: int) -> dict:
     """`streams` fresh prompts of `length` tokens sent at once, one token generated; aggregate prompt tokens/s."""
-    fresh = lambda: [prompts.make(length) for _ in range(streams)]  # noqa: E731
+    def fresh() -> list[list[dict]]:
+        return [prompts.make(length) for _ in range(streams)]
+
     batch(client, force, fresh(), 1)  # warm-up, not timed: kernels compiled at first use of this length
     runs = repeated(lambda: batch(client, force, fresh(), 1), repeats)
     t = statistics.median(t for t, _ in runs)
