@@ -158,22 +158,27 @@ def measure(kind: str, layers: int, work: Path, args) -> dict:
     with server:
         row["startup_s"] = round(time.time() - t0, 1)
         row["loaded_gib"] = loaded_gib(server.log_path.read_text(errors="replace"))
-        out = work / f"speed-{name}.json"
-        cmd = [sys.executable, "-m", "xmoe", "bench", "speed", "--url", server.url, "--json", str(out),
-               "--concurrency", *map(str, args.streams), "--prefill", *map(str, args.prefill),
-               "--repeats", str(args.repeats)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        row["speed"] = json.loads(out.read_text()) if out.exists() else {"error": done.stderr[-2000:]}
-        if args.profile_tokens:
-            trace = work / f"trace-{name}"
-            profile_decode(server, trace, args.profile_tokens)
-            row["profile"] = step_profile(trace, layers)
+        if not args.soak_only:
+            speed_and_profile(server, name, layers, row, work, args)
         if args.soak and is_last(args, kind, layers):
             from xmoe.serve.load import LoadOptions, run_load
             report = run_load(server.base_url, None, server.model, LoadOptions(clients=max(args.streams),
                                                                                seconds=args.soak, max_tokens=256))
             row["soak"] = {**report.summary(), "first_errors": [str(e) for e in report.errors[:10]]}
     return row
+
+
+def speed_and_profile(server, name: str, layers: int, row: dict, work: Path, args) -> None:
+    out = work / f"speed-{name}.json"
+    cmd = [sys.executable, "-m", "xmoe", "bench", "speed", "--url", server.url, "--json", str(out),
+           "--concurrency", *map(str, args.streams), "--prefill", *map(str, args.prefill),
+           "--repeats", str(args.repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    row["speed"] = json.loads(out.read_text()) if out.exists() else {"error": done.stderr[-2000:]}
+    if args.profile_tokens:
+        trace = work / f"trace-{name}"
+        profile_decode(server, trace, args.profile_tokens)
+        row["profile"] = step_profile(trace, layers)
 
 
 def is_last(args, kind: str, layers: int) -> bool:
@@ -194,6 +199,8 @@ def main() -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (for comparison only)")
     p.add_argument("--soak", type=float, default=0, help="seconds of streaming clients (as many as the most "
                    "streams) on the last variant; every failed request is reported")
+    p.add_argument("--soak-only", action="store_true", help="the soak alone: no speed or profile (a server "
+                   "that shares the GPU with other work)")
     p.add_argument("--vllm-arg", action="append", default=[], help="passed to vLLM as is")
     p.add_argument("--port", type=int, default=8391)
     p.add_argument("--work", type=Path, default=Path("/tmp/xmoe-serve-gpu"))

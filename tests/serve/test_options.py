@@ -106,6 +106,15 @@ def test_tool_strict_level_given_after_dashes_wins(tmp_path):
     assert "--tool-strict-level" not in engine_command(o) and "needs --tool-call-parser" in describe(o)
 
 
+def test_sized_cache_starts_on_a_gpu_partly_in_use(tmp_path):
+    """With the cache sized, the free-memory check at start asks for a sliver of the GPU, not vLLM's 90%."""
+    cmd = engine_command(ServeOptions(model_dir(tmp_path), kv_cache_bytes=2 ** 30))
+    assert float(_flag(cmd, "--gpu-memory-utilization")) <= 0.05
+    assert "--gpu-memory-utilization" not in engine_command(ServeOptions(model_dir(tmp_path)))
+    given = ServeOptions(model_dir(tmp_path), kv_cache_bytes=2 ** 30, extra_args=("--gpu-memory-utilization=0.5",))
+    assert not any(a == "--gpu-memory-utilization" for a in engine_command(given))
+
+
 def test_open_server_has_no_key_check_and_prefix_caching_on(tmp_path):
     cmd = engine_command(ServeOptions(model_dir(tmp_path)))
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--middleware"] == list(ALWAYS_MIDDLEWARE)

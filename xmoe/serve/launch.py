@@ -18,6 +18,9 @@ ENTRYPOINT_026 = "vllm.entrypoints.openai.api_server"
 # JSON, even when tool_choice forces the call, and a small or low-bit model then writes back the schema itself
 # until max_tokens cuts it and the call is lost. "parameter" holds every call's arguments to its tool's schema.
 TOOL_STRICT_LEVEL = "parameter"
+# With the KV cache's size given, vLLM reads --gpu-memory-utilization only to check free memory at start (default
+# 90% of the GPU): a GPU partly in use (a desktop, another server) would refuse a model that fits.
+SIZED_CACHE_UTILIZATION = 0.02
 
 
 def engine_command(o: ServeOptions) -> list[str]:
@@ -29,6 +32,8 @@ def engine_command(o: ServeOptions) -> list[str]:
                         ("--max-num-seqs", o.max_num_seqs), ("--max-num-batched-tokens", o.max_num_batched_tokens)):
         if value is not None:
             cmd += [flag, str(value)]
+    if o.kv_cache_bytes is not None and _extra_value(o, "--gpu-memory-utilization") is None:
+        cmd += ["--gpu-memory-utilization", str(SIZED_CACHE_UTILIZATION)]
     if o.speculative_method:
         cmd += ["--speculative-config", json.dumps({"method": o.speculative_method,
                                                      "num_speculative_tokens": o.num_speculative_tokens})]
@@ -36,7 +41,7 @@ def engine_command(o: ServeOptions) -> list[str]:
         cmd.append("--enforce-eager")
     if o.tool_call_parser:
         cmd += ["--enable-auto-tool-choice", "--tool-call-parser", o.tool_call_parser]
-        if _strict_level_given(o) is None and vllm_accepts("tool_strict_level"):
+        if _extra_value(o, "--tool-strict-level") is None and vllm_accepts("tool_strict_level"):
             cmd += ["--tool-strict-level", TOOL_STRICT_LEVEL]
     for middleware in ((MIDDLEWARE,) if o.api_key else ()) + ALWAYS_MIDDLEWARE:
         cmd += ["--middleware", middleware]  # the key itself travels in the environment, not in `ps` output
@@ -68,13 +73,13 @@ def vllm_accepts(dest: str) -> bool:
                                     for f in (root / "entrypoints").rglob("cli_args.py"))
 
 
-def _strict_level_given(o: ServeOptions) -> str | None:
-    """The tool strict level passed to vLLM after `--`, if any (it then replaces xmoe's)."""
+def _extra_value(o: ServeOptions, flag: str) -> str | None:
+    """The value of `flag` passed to vLLM after `--`, if any (it then replaces xmoe's)."""
     args = list(o.extra_args)
     for i, a in enumerate(args):
-        if a == "--tool-strict-level":
+        if a == flag:
             return args[i + 1] if i + 1 < len(args) else ""
-        if a.startswith("--tool-strict-level="):
+        if a.startswith(flag + "="):
             return a.split("=", 1)[1]
     return None
 
@@ -82,7 +87,7 @@ def _strict_level_given(o: ServeOptions) -> str | None:
 def _tool_calls(o: ServeOptions) -> str:
     if not o.tool_call_parser:
         return "off (tool_choice needs --tool-call-parser)"
-    level = _strict_level_given(o)
+    level = _extra_value(o, "--tool-strict-level")
     held = ("arguments held to each tool's schema" if level is None
             else f"tool strict level {level!r} (given after --)")
     return f"auto, required and named; parser {o.tool_call_parser}; {held}"
