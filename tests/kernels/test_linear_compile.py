@@ -64,3 +64,21 @@ def test_inductor_then_a_captured_cuda_graph_equal_eager_on_the_gpu():
         x.copy_(torch.randn_like(x))
         graph.replay()
         torch.testing.assert_close(y, expected(x, parts, "triton"), rtol=1e-4, atol=1e-3)
+
+
+def test_a_registered_layer_is_released_with_its_owner():
+    """A process that loads and drops models one after another must not keep every one's weights alive."""
+    import gc
+
+    from xmoe.kernels import ops
+
+    class Layer:
+        pass
+
+    owner = Layer()
+    index = register_linear([Exl3Weight.from_tensors(random_layer(k=256, n=128, seed=3))], owner=owner)
+    x = torch.randn(2, 256)
+    assert exl3_linear_op(x, index, "torch").shape == (2, 128)
+    del owner
+    gc.collect()
+    assert index not in ops._KERNELS

@@ -5,8 +5,10 @@ TRITON_INTERPRET=1), or "auto", which takes Triton where it can run, says so onc
 reference. Asking for Triton where it cannot run is an error that says why; nothing falls back silently.
 Launch settings come from a Tuning (tuning.py): every entry point takes one, else the device's from the table.
 """
+import itertools
 import logging
 import os
+import weakref
 from functools import lru_cache
 
 import torch
@@ -142,8 +144,9 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 
 # Registered layers' EXL3 weights by index. torch.compile (vLLM compiles every model with it) must not trace the
 # kernels' host code (planning, tables, file reads): exl3_linear_op is one opaque op that sees only its input and
-# the index here.
-_KERNELS: list = []
+# the index here. An entry lives as long as the layer that registered it.
+_KERNELS: dict = {}
+_NEXT_INDEX = itertools.count()
 
 
 def _run(x: torch.Tensor, weights, backend: str) -> torch.Tensor:
@@ -168,7 +171,11 @@ def _(x: torch.Tensor, index: int, backend: str) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], _out_features(_KERNELS[index]))
 
 
-def register_linear(weights) -> int:
-    """The index under which exl3_linear_op finds `weights` (an Exl3Slices or a list of Exl3Weight)."""
-    _KERNELS.append(weights)
-    return len(_KERNELS) - 1
+def register_linear(weights, owner=None) -> int:
+    """The index under which exl3_linear_op finds `weights` (an Exl3Slices or a list of Exl3Weight); with
+    `owner`, the entry is dropped when the owner is garbage-collected (a process may load many models)."""
+    index = next(_NEXT_INDEX)
+    _KERNELS[index] = weights
+    if owner is not None:
+        weakref.finalize(owner, _KERNELS.pop, index, None)
+    return index

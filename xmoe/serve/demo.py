@@ -57,7 +57,7 @@ class Variant:
         by_k: dict[float, list[int]] = {}
         for i, K in self.layer_bits().items():
             by_k.setdefault(K, []).append(i)
-        parts = [f"K={K:g} in layers {_spans(ls)}" for K, ls in sorted(by_k.items(), reverse=True)]
+        parts = [f"K={K:g} in layers {spans(ls)}" for K, ls in sorted(by_k.items(), reverse=True)]
         where = "" if self.layers is None else f"; the experts of the other {LAYERS - len(self.layers)} layers bf16"
         return (f"{self.mean_bits():.2f} bits per expert weight on average ({'; '.join(parts)}{where}; "
                 f"CPU beam encoder, width {self.beam_width})")
@@ -67,7 +67,7 @@ class Variant:
         return sum(ks) / len(ks)
 
 
-def _spans(layers: list[int]) -> str:
+def spans(layers: list[int]) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
     out, start = [], layers[0]
     for a, b in zip(layers, layers[1:] + [None]):

@@ -37,7 +37,7 @@ class Exl3LinearMethod(LinearMethodBase):
             layer._weights = [self._slice(layer._exl3[key], row_parallel, rank, in_part, in_full, out)
                               .to(layer._exl3_device) for key, out in zip(shards, out_parts)]
             slices = self._merge(layer._weights)
-            layer._exl3_index = register_linear(slices if slices is not None else layer._weights)
+            layer._exl3_index = register_linear(slices if slices is not None else layer._weights, owner=layer)
             del layer._weights
             for suffix in self.suffixes:
                 delattr(layer, suffix)
