@@ -163,9 +163,18 @@ def serve_tables(runs: list[dict]) -> list[str]:
                           f"{experts / r['layers']:.1f}" if experts is not None else "-", provenance([run])])
     head = ("variant (kind-layers)", "decode tok/s 1 stream", "4 streams", "16 streams", "prefill tok/s 2K",
             "16K", "commit (date)")
-    return [*table(head, speed), "", *table(("variant", "loaded GiB (vLLM)", "tensors GiB", "loaded / tensors",
-                                             "decode step ms (kernels, 1 stream)", "routed-expert kernels ms",
-                                             "per layer us", "commit (date)"), shape)]
+    timed = [r for r in speed if any(c != "-" for c in r[1:-1])]
+    measured = [r for r in shape if r[1] != "-" or r[4] != "-"]
+    out = [*table(head, timed), "", *table(("variant", "loaded GiB (vLLM)", "tensors GiB", "loaded / tensors",
+                                            "decode step ms (kernels, 1 stream)", "routed-expert kernels ms",
+                                            "per layer us", "commit (date)"), measured)]
+    soaks = [[r["variant"], s["clients"], f"{s['seconds']:.0f}", s["requests"], s["errors"],
+              f"{s['output_tok_per_s']:,.0f}", provenance([run])]
+             for run in runs for r in run["rows"] for s in [r.get("soak")] if s]
+    if soaks:
+        out += ["", *table(("soak: variant", "streaming clients", "seconds", "requests", "failed",
+                            "output tok/s", "commit (date)"), soaks)]
+    return out
 
 
 def calibration_model_tables(runs: list[dict]) -> list[str]:
