@@ -28,10 +28,10 @@ def hf_config(arch: str, base: dict = BASE):
         return tf.OlmoeConfig(**base, intermediate_size=32, num_experts=4, num_experts_per_tok=2, eos_token_id=1,
                               pad_token_id=0)
     if arch == "deepseek_v3":
-        return tf.DeepseekV3Config(**base, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=4,
-                                   num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
-                                   q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                   v_head_dim=8)
+        mla = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+        return tf.DeepseekV3Config(**{**mla, **base}, intermediate_size=96, moe_intermediate_size=32,
+                                   n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                                   topk_group=1)
     if arch == "deepseek_v4":
         # vLLM's V4 attention stores KV as fp8_ds_mla (448 fp8 + 64 bf16 rope dims): head_dim 512 is fixed.
         # Layer 0 routes by token hash (tid2eid), layer 1 by score; both attend through the sliding window.

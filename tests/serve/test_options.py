@@ -165,6 +165,19 @@ def test_engine_env(tmp_path):
     assert "VLLM_API_KEY" not in env and env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["PATH"] == "/bin"
 
 
+def test_engine_env_turns_the_flashinfer_sampler_off_only_where_flashinfer_is_missing(tmp_path, monkeypatch):
+    """A wheelhouse (`xmoe wheelhouse`) leaves FlashInfer out; vLLM's GPU sampler would import it at start."""
+    import importlib.util
+    find = importlib.util.find_spec
+    for present in (True, False):  # missing last: a value the caller set is kept even then
+        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a, p=present: object() if p and n ==
+                            "flashinfer" else (None if n == "flashinfer" else find(n, *a)))
+        env = engine_env(ServeOptions(model_dir(tmp_path)), {})
+        assert env.get("VLLM_USE_FLASHINFER_SAMPLER") == (None if present else "0")
+    assert engine_env(ServeOptions(model_dir(tmp_path)), {"VLLM_USE_FLASHINFER_SAMPLER": "1"}).get(
+        "VLLM_USE_FLASHINFER_SAMPLER") == "1"
+
+
 def test_parse_bytes():
     assert parse_bytes("1073741824") == 2 ** 30 and parse_bytes("8GiB") == 8 * 2 ** 30
     assert parse_bytes("1.5 GB") == 1_500_000_000 and parse_bytes("512MiB") == 512 * 2 ** 20

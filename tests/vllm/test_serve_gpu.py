@@ -21,6 +21,7 @@ from xmoe.quant.plan import ConvertOptions
 pytestmark = pytest.mark.gpu
 N = 64
 PROMPTS = [[1, 5, 9, 13, 17], [3, 4, 5], [200, 100, 50, 25], [7] * 11, [42, 43]]
+DEEPSEEK_MLA = dict(q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 
 
 @pytest.fixture(autouse=True)
@@ -57,9 +58,11 @@ def test_qwen3_moe(tmp_path, eager):
 
 
 def test_deepseek_v3(tmp_path):
-    """MLA attention, a dense first layer, a shared expert beside the EXL3 routed experts. (MLA's keys are per
-    head: transformers repeats them by heads / key-value heads, so the two must be equal.)"""
-    base = dict(SERVE_BASE, num_key_value_heads=SERVE_BASE["num_attention_heads"])
+    """MLA attention, a dense first layer, a shared expert beside the EXL3 routed experts. vLLM's GPU attention
+    takes MLA only at the head sizes of real models (DeepSeek's 128 + 64 rope, values 128, latent 512); the CPU
+    test's tiny sizes stop its start-up. (MLA's keys are per head: transformers repeats them by heads / key-value
+    heads, so the two must be equal.)"""
+    base = dict(SERVE_BASE, num_attention_heads=16, num_key_value_heads=16, **DEEPSEEK_MLA)
     src, dst = quantized("deepseek_v3", tmp_path, bits=4, base=base)
     check(src, dst)
 
