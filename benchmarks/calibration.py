@@ -189,11 +189,19 @@ def model_table(args) -> list[dict]:
                 convert(reference, Path(tmp) / "pack", opts, dev)
                 seconds = time.perf_counter() - t0
                 q = evaluate(str(Path(tmp) / "pack"), str(reference), QualityOptions(QUALITY_TEXT, tokens=args.tokens))
+                mix = allocation(Path(tmp) / "pack")
             rows.append({"encoder": name, "K": K, "layers": args.layers, "kl_mean": q["kl_mean"], "ppl": q["ppl"],
-                         "ppl_reference": q["ppl_reference"], "build_s": seconds})
+                         "ppl_reference": q["ppl_reference"], "build_s": seconds, **mix})
             print(json.dumps(rows[-1]), file=sys.stderr)
     jobs.quantize_ldlq = ours
     return rows
+
+
+def allocation(pack: Path) -> dict:
+    """The allocator's choice from the pack's report (K, weight and cost per group), kept before the pack goes."""
+    from xmoe.quant.convert import REPORT
+    report = json.loads((pack / REPORT).read_text())
+    return {"allocation": report["allocation"]} if "allocation" in report else {}
 
 
 def main() -> int:
