@@ -224,6 +224,8 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/xmoe-calibration-bench", help="captured weights and Hessians")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
+    from common import run_info
+    info = run_info()  # at the start: a long run must name the code it ran, not the commit at its end
     rows = layer_table(args) if args.table == "layers" else model_table(args)
     if args.table == "layers":
         print(f"{'layer':>5} {'tensor':<6} {'K':>4} {'xmoe':>9} {'exllamav3':>10} {'ratio':>7} {'uncalibrated':>13}")
@@ -237,8 +239,7 @@ def main() -> int:
             print(f"{r['encoder']:<30} {r['K']:>4g} {r['kl_mean']:>8.4f} {r['ppl']:>8.2f} {r['ppl_reference']:>8.2f} "
                   f"{r['build_s']:>8.0f}")
     if args.json:
-        from common import run_info
-        run = {**run_info(), "calibration": args.table, "settings": {k: getattr(args, k) for k in SETTINGS},
+        run = {**info, "calibration": args.table, "settings": {k: getattr(args, k) for k in SETTINGS},
                "rows": rows}
         Path(args.json).write_text(json.dumps(run, indent=1) + "\n")
     return 0
