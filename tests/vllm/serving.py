@@ -1,6 +1,5 @@
 """A vLLM OpenAI server on a model directory, for the serving tests, and the greedy check against the
 transformers reference."""
-import importlib.util
 import os
 import socket
 import subprocess
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from xmoe.serve.launch import entrypoint
+from xmoe.serve.launch import entrypoint, sampler_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "quant"))
 from checkpoints import SERVE_BASE, save_word_tokenizer  # noqa: E402
@@ -39,8 +38,8 @@ class Server:
     def __init__(self, model: Path, *args: str, env: dict | None = None, gpu: bool = False):
         self.port = free_port()
         self.log = open(model.parent / f"server-{self.port}.log", "w+")
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-               **({} if importlib.util.find_spec("flashinfer") else {"VLLM_USE_FLASHINFER_SAMPLER": "0"}), **(env or {})}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(env or {})}
+        env.update(sampler_env(env))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", entrypoint(), "--model", str(model),
              *(GPU_ARGS if gpu else CPU_ARGS), "--host", "127.0.0.1", "--port", str(self.port), *args],

@@ -101,15 +101,21 @@ def engine_env(o: ServeOptions, base: dict[str, str] | None = None) -> dict[str,
         env["VLLM_API_KEY"] = o.api_key  # read by vLLM's /v1 guard and by xmoe's middleware
     if o.kv_cache_bytes is not None:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # vLLM's CPU backend would let it win over the flag
-    if importlib.util.find_spec("flashinfer") is None:
-        # vLLM's GPU sampler imports FlashInfer unless told not to, and a wheelhouse leaves FlashInfer out
-        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    env.update(sampler_env(env))
     # vLLM pins its CPU threads to cores by default; on a machine shared with other work that starves it.
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if o.cpu_threads is not None:
         # OpenMP threads spin at every barrier: more of them than free cores slows decoding down ~10x.
         env["OMP_NUM_THREADS"] = str(o.cpu_threads)
     return env
+
+
+def sampler_env(env: dict[str, str]) -> dict[str, str]:
+    """VLLM_USE_FLASHINFER_SAMPLER=0 where FlashInfer is not installed and `env` does not set it: vLLM's GPU
+    sampler imports FlashInfer unless told not to, and a wheelhouse leaves FlashInfer out."""
+    if "VLLM_USE_FLASHINFER_SAMPLER" in env or importlib.util.find_spec("flashinfer") is not None:
+        return {}
+    return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
 def _size(n: int | None) -> str:
