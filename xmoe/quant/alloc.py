@@ -91,9 +91,11 @@ def allocate(costs: list[dict[float, float]], numels: list[int], bits: float, fi
 
 
 def candidates(bits: float, codebook: str) -> list[float]:
-    """The K the allocator may pick for an average of `bits`: whole K from one below to one above the
-    budget's neighbours (1..8), and the half-integer K mul1 has."""
-    lo, hi = max(1, math.floor(bits) - 1), min(8, math.ceil(bits) + 1)
+    """The K the allocator may pick for an average of `bits`: whole K from the budget's floor to one above
+    its ceiling (1..8), and the half-integer K mul1 has in between. Never below the floor: the cost adds
+    relative errors as if they were small, which K=1's are not (a 2.5-bit mix with K=1 in it scored worse
+    on the demo than K=2 everywhere)."""
+    lo, hi = max(1, math.floor(bits)), min(8, math.ceil(bits) + 1)
     ks = [float(k) for k in range(lo, hi + 1)]
     if codebook == "mul1":
         ks += [k for k in (1.5, 2.5, 3.5) if lo < k < hi]
