@@ -178,6 +178,7 @@ def model_table(args) -> list[dict]:
         encoders["exllamav3 (quantized inputs)"] = (exl3_ldlq, "quantized")
     ours = jobs.quantize_ldlq
     rows = []
+    Path(args.work).mkdir(parents=True, exist_ok=True)
     for K in args.bits:
         for name, (fn, inputs) in encoders.items():
             jobs.quantize_ldlq = fn or ours
