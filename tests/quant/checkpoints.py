@@ -29,9 +29,11 @@ def hf_config(arch: str, base: dict = BASE):
                               pad_token_id=0)
     if arch == "deepseek_v3":
         mla = dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+        # DeepSeek-V3's own router keys, which transformers' config leaves out and vLLM reads: without them vLLM
+        # routes by softmax and has no parameter for the checkpoint's e_score_correction_bias
         return tf.DeepseekV3Config(**{**mla, **base}, intermediate_size=96, moe_intermediate_size=32,
                                    n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
-                                   topk_group=1)
+                                   topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid")
     if arch == "deepseek_v4":
         # vLLM's V4 attention stores KV as fp8_ds_mla (448 fp8 + 64 bf16 rope dims): head_dim 512 is fixed.
         # Layer 0 routes by token hash (tid2eid), layer 1 by score; both attend through the sliding window.

@@ -4,17 +4,25 @@ compute dtype and run as a plain torch loop (the CPU: memory of a dense model, t
 """
 import functools
 import logging
+import os
 import types
 
 import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
 from ..format.layer import decode_weight, slice_layer
-from ..kernels.ops import Exl3Experts, Exl3Weight, activation_ref, fused_moe
+from ..kernels.ops import Exl3Experts, Exl3Weight, activation_ref, fused_moe, warm_up_moe
 from .loading import collector, load_named_experts
 
 SHARD = {"w1": "gate", "w3": "up", "w2": "down"}
 log = logging.getLogger(__name__)
+
+
+def max_batch_tokens() -> int:
+    """The most tokens vLLM's scheduler puts in one step, read while the model is built (8192 outside vLLM)."""
+    from vllm.config import get_current_vllm_config_or_none
+    config = get_current_vllm_config_or_none()
+    return config.scheduler_config.max_num_batched_tokens if config is not None else 8192
 
 
 @functools.cache
@@ -40,6 +48,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         layer._exl3 = {}
         layer._exl3_shape = (num_experts, hidden_size, intermediate_size_per_partition, params_dtype)
         layer._exl3_device = torch.empty(0).device  # vLLM builds the model under its target device
+        self.max_tokens = max_batch_tokens()
         for proj in ("w13", "w2"):
             for suffix in sorted(self.suffixes):
                 layer.register_parameter(f"{proj}_{suffix}", collector(layer, suffix, experts=True))
@@ -75,13 +84,13 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             if self.backend == "triton":
                 layer._experts = self.dummy.experts(E, H, I, layer._exl3_device)
                 self._drop_collectors(layer)
-                return
+                return self._warm_up(layer)
             full = self.dummy.experts(E, H, I * self.moe.tp_size, "cpu")
             layer._exl3 = {(s, e): getattr(full, SHARD[s]).tensors(e) for s in SHARD for e in range(E)}
         if self.backend == "triton":
             layer._experts = self._stack(layer).to(layer._exl3_device)
             self._drop_collectors(layer)
-            return
+            return self._warm_up(layer)
         rank = self.moe.tp_rank
         rows = slice(rank * I, (rank + 1) * I)  # this rank's part of the intermediate dimension
         w13 = torch.empty(E, 2 * I, H, dtype=dtype)
@@ -95,6 +104,13 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         self._drop_collectors(layer)
         layer.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
         layer.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
+
+    def _warm_up(self, layer) -> None:
+        """Compile the kernels of every batch size now, not while requests wait (once per process and shapes).
+        GPUs only: the Triton interpreter compiles nothing. XMOE_WARMUP=0 skips it."""
+        if layer._exl3_device.type == "cuda" and os.environ.get("XMOE_WARMUP", "1") != "0":
+            warm_up_moe(layer._experts, self.moe.experts_per_token, self.max_tokens, layer._exl3_shape[3],
+                        layer.expert_map, self.moe.swiglu_limit)
 
     def _drop_collectors(self, layer) -> None:
         for proj in ("w13", "w2"):

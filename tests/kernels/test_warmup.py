@@ -1,0 +1,80 @@
+"""The fused MoE's warm-up (kernels.warmup): one call per distinct launch over 1..max_tokens tokens, so that a
+server compiles no kernel variant while requests wait. On a GPU, calls at other counts after the warm-up compile
+nothing (Triton's post-compile hook counts); on the CPU, the counts it picks, and the warm-up itself under the
+Triton interpreter, dense path included."""
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cases import random_experts  # noqa: E402
+from checks import run_interpreted  # noqa: E402
+
+from xmoe.kernels.ops import fused_moe, warm_up_moe  # noqa: E402
+from xmoe.kernels.plan import Target  # noqa: E402
+from xmoe.kernels.tuning import DEFAULT  # noqa: E402
+from xmoe.kernels.warmup import launch_key, plan_sizes, routings  # noqa: E402
+
+H100 = Target(name="H100", sms=132, gpu=True, tma=True, shared_memory=232448)
+
+
+def v41_rank() -> SimpleNamespace:
+    """What planning reads of DeepSeek-V4.1's per-rank experts at TP2 (K=2 MCG)."""
+    def w(n, k):
+        return SimpleNamespace(n=n, k=k, K=2, codebook="mcg", experts=384)
+    return SimpleNamespace(gate=w(1152, 5120), up=w(1152, 5120), down=w(5120, 1152), count=384)
+
+
+def test_sizes_cover_every_launch_of_a_server_once():
+    experts = v41_rank()
+    sizes = plan_sizes(experts, 6, 8192, H100, DEFAULT)
+    keys = [launch_key(n, 6, experts, H100, DEFAULT) for n in sizes]
+    assert len(set(keys)) == len(keys) and sizes[0] == 1
+    assert set(keys) == {launch_key(n, 6, experts, H100, DEFAULT) for n in range(1, 8193)}
+    # mixed batches past vLLM's largest CUDA-graph size (32) reach new plans the start-up never launches
+    assert [n for n in sizes if n > 32] and len(sizes) < 100
+
+
+def test_routings_spread_and_mixed():
+    g = torch.Generator().manual_seed(0)
+    spread, = routings(10, 3, 16, False, g)
+    assert spread.shape == (10, 3) and all(len(set(row.tolist())) == 3 for row in spread)
+    spread, mixed = routings(10, 3, 16, True, g)
+    assert (mixed[:5] == torch.arange(3)).all() and torch.equal(mixed[5:], spread[5:])
+
+
+def warm_small() -> None:
+    experts = random_experts(8, 128, 128, 2, "mcg")
+    tuning = replace(DEFAULT, dense_rows=4)  # experts of 4 rows and more go dense: the dense path runs too
+    sizes = warm_up_moe(experts, 2, 12, torch.float32, ids_dtype=torch.int64, tuning=tuning)
+    assert sizes[0] == 1 and len(sizes) >= 4, sizes
+    assert warm_up_moe(experts, 2, 12, torch.float32, ids_dtype=torch.int64, tuning=tuning) == []  # once
+
+
+def test_warm_up_under_interpreter():
+    pytest.importorskip("triton")
+    run_interpreted(warm_small)
+
+
+@pytest.mark.gpu
+def test_no_kernel_compiles_after_warm_up():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from triton import knobs
+    experts = random_experts(64, 512, 256, 2, "mcg", device="cuda")
+    warm_up_moe(experts, 6, 700, torch.bfloat16)
+    compiled, hook = [], knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs.get("fn", args))
+    try:
+        for tokens in range(1, 701, 9):
+            x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+            ids = torch.rand(tokens, 64, device="cuda").argsort(-1)[:, :6].int()
+            fused_moe(x, ids, torch.full((tokens, 6), 1 / 6, device="cuda"), experts, backend="triton")
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = hook
+    assert not compiled, compiled[:5]

@@ -1,0 +1,82 @@
+"""Compile the fused MoE's Triton kernels before a server takes requests.
+
+Each kernel variant compiles at its first launch, which takes seconds. vLLM's start-up launches the batch sizes it
+captures in CUDA graphs and one of its largest batch, but not the sizes in between, which mixed prefill and decode
+batches reach all the time: without a warm-up, every request in flight stalls while a new size compiles. Token
+counts that share a plan (everything but the count) launch the same variants, so one call per distinct plan over
+1..max_tokens compiles them all; a plan that may take the dense path gets a second call whose routing sends half
+its tokens to the same few experts, which compiles the dense kernels too.
+"""
+import dataclasses
+import logging
+import time
+
+import torch
+
+from .plan import Target, plan_moe, target_of
+from .routing import ROUTE_SLOTS
+from .tuning import Tuning, tuning_for
+from .weights import Exl3Experts
+
+log = logging.getLogger(__name__)
+_WARM: set = set()  # (device, shapes, K, codebooks, top_k, max_tokens) already warmed in this process
+
+
+def launch_key(tokens: int, top_k: int, experts: Exl3Experts, target: Target, tuning: Tuning) -> tuple:
+    """What decides the kernel variants a call of `tokens` tokens launches: its plan but the count; the routing
+    kernels' slot block (a power of two); and the count's and slots' divisibility by 16 and being 1, which Triton
+    specializes integer arguments on."""
+    plan = plan_moe(tokens, top_k, experts, target, tuning, True)
+    slots = tokens * top_k
+    block = max(16, 1 << (slots - 1).bit_length()) if slots <= ROUTE_SLOTS else 0
+    return dataclasses.replace(plan, tokens=0, slots=0), block, tokens == 1, tokens % 16 == 0, slots % 16 == 0
+
+
+def plan_sizes(experts: Exl3Experts, top_k: int, max_tokens: int, target: Target, tuning: Tuning) -> list[int]:
+    """The smallest token count of each distinct launch_key over 1..max_tokens (planned as an eager call, as the
+    sizes between vLLM's CUDA-graph sizes run)."""
+    first: dict = {}
+    for tokens in range(1, max_tokens + 1):
+        first.setdefault(launch_key(tokens, top_k, experts, target, tuning), tokens)
+    return sorted(first.values())
+
+
+def routings(tokens: int, top_k: int, count: int, dense: bool, generator: torch.Generator) -> list[torch.Tensor]:
+    """topk_ids of the warm-up calls at `tokens`: spread over all `count` experts, and where the call may go dense
+    also half of the tokens on experts 0..top_k-1 (hot: decoded once) and the rest spread (the grouped kernels)."""
+    spread = torch.rand(tokens, count, generator=generator).argsort(-1)[:, :top_k]
+    if not dense:
+        return [spread]
+    mixed = spread.clone()
+    mixed[: tokens // 2] = torch.arange(top_k)
+    return [spread, mixed]
+
+
+def warm_up_moe(experts: Exl3Experts, top_k: int, max_tokens: int, dtype: torch.dtype,
+                expert_map: torch.Tensor | None = None, limit: float | None = None,
+                ids_dtype: torch.dtype = torch.int32, tuning: Tuning | None = None) -> list[int]:
+    """Launch fused_moe once per distinct launch_key (twice where it may go dense) on random inputs, `dtype`
+    activations and `ids_dtype` expert ids (vLLM's routers give int32; Triton compiles per pointer type); returns
+    the token counts launched, [] if this process has already warmed up the same shapes, K and codebooks."""
+    from .ops import fused_moe
+    dev = experts.gate.trellis.device
+    key = (str(dev), top_k, max_tokens, expert_map is not None, dtype, ids_dtype, tuning,
+           tuple((w.experts, w.k, w.n, w.K, w.codebook) for w in (experts.gate, experts.up, experts.down)))
+    if key in _WARM:
+        return []
+    t0, tuning = time.perf_counter(), tuning or tuning_for(str(dev))
+    sizes = plan_sizes(experts, top_k, max_tokens, target_of(dev), tuning)
+    count = experts.gate.experts if expert_map is None else expert_map.numel()  # routing ids are global
+    g = torch.Generator().manual_seed(0)
+    for tokens in sizes:
+        dense = plan_moe(tokens, top_k, experts, target_of(dev), tuning, True).dense
+        x = (torch.randn(tokens, experts.hidden, generator=g) * 0.1).to(dev, dtype)
+        share = torch.full((tokens, top_k), 1 / top_k, device=dev)
+        for ids in routings(tokens, top_k, count, dense, g):
+            fused_moe(x, ids.to(dev, ids_dtype), share, experts, limit, expert_map, "triton", tuning)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    _WARM.add(key)
+    log.info("exl3: fused MoE kernels warmed up at %d batch sizes (1..%d tokens) in %.1f s", len(sizes), max_tokens,
+             time.perf_counter() - t0)
+    return sizes
