@@ -1,5 +1,5 @@
-"""The fused MoE's warm-up (kernels.warmup): one call per distinct launch over 1..max_tokens tokens, so that a
-server compiles no kernel variant while requests wait. On a GPU, calls at other counts after the warm-up compile
+"""The warm-up (kernels.warmup) of the fused MoE and of dense EXL3 layers: one call per distinct launch over
+1..max_tokens tokens, so that a server compiles no kernel variant while requests wait. On a GPU, calls at other counts after the warm-up compile
 nothing (Triton's post-compile hook counts); on the CPU, the counts it picks, and the warm-up itself under the
 Triton interpreter, dense path included."""
 import sys
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cases import random_experts  # noqa: E402
+from cases import random_experts, random_weight  # noqa: E402
 from checks import run_interpreted  # noqa: E402
 
-from xmoe.kernels.ops import fused_moe, warm_up_moe  # noqa: E402
+from xmoe.kernels.ops import Exl3Slices, exl3_linear, exl3_linear_slices, fused_moe, warm_up_linear, warm_up_moe  # noqa: E402,E501
 from xmoe.kernels.plan import Target  # noqa: E402
 from xmoe.kernels.tuning import DEFAULT  # noqa: E402
-from xmoe.kernels.warmup import launch_key, plan_sizes, routings  # noqa: E402
+from xmoe.kernels.warmup import launch_key, linear_sizes, plan_sizes, routings  # noqa: E402
 
 H100 = Target(name="H100", sms=132, gpu=True, tma=True, shared_memory=232448)
 
@@ -39,6 +39,17 @@ def test_sizes_cover_every_launch_of_a_server_once():
     assert [n for n in sizes if n > 32] and len(sizes) < 100
 
 
+def test_linear_sizes_cover_every_row_count():
+    w = SimpleNamespace(n=2304, k=5120, K=2, codebook="mcg", experts=0)
+    sizes = linear_sizes(w, 1, 4096, H100, DEFAULT)
+    assert sizes[0] == 1 and 16 in sizes and len(sizes) < 100
+    # every row count launches like one of them: the same plan but the count, and the same specialization
+    from xmoe.kernels.plan import plan_linear
+    def key(rows):
+        return replace(plan_linear(rows, w, H100, DEFAULT, 1, True), rows=0), rows == 1, rows % 16 == 0
+    assert {key(n) for n in range(1, 4097)} == {key(n) for n in sizes}
+
+
 def test_routings_spread_and_mixed():
     g = torch.Generator().manual_seed(0)
     spread, = routings(10, 3, 16, False, g)
@@ -55,9 +66,18 @@ def warm_small() -> None:
     assert warm_up_moe(experts, 2, 12, torch.float32, ids_dtype=torch.int64, tuning=tuning) == []  # once
 
 
+def warm_linear_small() -> None:
+    q, k = random_weight(256, 256, 2, "mcg", seed=1), random_weight(256, 128, 2, "mcg", seed=2)
+    tuning = replace(DEFAULT, dense_rows=8)  # the dense path from 8 rows
+    assert warm_up_linear(Exl3Slices.of([q, k]), 20, torch.float32, tuning=tuning)[0] == 1
+    assert warm_up_linear([q], 20, torch.float32, tuning=tuning)
+    assert warm_up_linear([q], 20, torch.float32, tuning=tuning) == []
+
+
 def test_warm_up_under_interpreter():
     pytest.importorskip("triton")
     run_interpreted(warm_small)
+    run_interpreted(warm_linear_small)
 
 
 @pytest.mark.gpu
@@ -74,6 +94,28 @@ def test_no_kernel_compiles_after_warm_up():
             x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
             ids = torch.rand(tokens, 64, device="cuda").argsort(-1)[:, :6].int()
             fused_moe(x, ids, torch.full((tokens, 6), 1 / 6, device="cuda"), experts, backend="triton")
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = hook
+    assert not compiled, compiled[:5]
+
+
+@pytest.mark.gpu
+def test_no_dense_layer_compiles_after_warm_up():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from triton import knobs
+    q, k = (random_weight(1024, n, 3, "mcg", seed=n, device="cuda") for n in (1024, 256))
+    qk, single = Exl3Slices.of([q, k]), [k]
+    warm_up_linear(qk, 600, torch.float16)
+    warm_up_linear(single, 600, torch.float16)
+    compiled, hook = [], knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs.get("fn", args))
+    try:
+        for rows in range(1, 601, 11):
+            x = torch.randn(rows, 1024, device="cuda", dtype=torch.float16)
+            exl3_linear_slices(x, qk, backend="triton")
+            exl3_linear(x, k, backend="triton")
         torch.cuda.synchronize()
     finally:
         knobs.runtime.jit_post_compile_hook = hook

@@ -20,12 +20,13 @@ from .moe import fused_moe_triton
 from .plan import eager, plan_linear, target_of
 from .reference import activation_ref, exl3_linear_ref, exl3_slices_ref, fused_moe_ref
 from .tuning import DEFAULT, Tile, Tuning, tuning_for
-from .warmup import warm_up_moe
+from .warmup import warm_up_linear, warm_up_moe
 from .weights import Exl3Experts, Exl3Slices, Exl3Weight
 
 __all__ = ["BACKENDS", "DEFAULT", "Exl3Experts", "Exl3Slices", "Exl3Weight", "Tile", "Tuning", "activation_ref",
            "decode_experts", "exl3_linear", "exl3_linear_op", "exl3_linear_slices", "fused_moe", "pick_backend",
-           "register_linear", "triton_refusal", "tuning_for", "warm_up_moe"]
+           "register_linear", "triton_refusal", "tuning_for", "warm_up_linear",
+           "warm_up_moe"]
 BACKENDS = ("auto", "triton", "torch")
 log = logging.getLogger(__name__)
 

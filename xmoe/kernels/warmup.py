@@ -1,4 +1,4 @@
-"""Compile the fused MoE's Triton kernels before a server takes requests.
+"""Compile the fused MoE's (and dense EXL3 layers') Triton kernels before a server takes requests.
 
 Each kernel variant compiles at its first launch, which takes seconds. vLLM's start-up launches the batch sizes it
 captures in CUDA graphs and one of its largest batch, but not the sizes in between, which mixed prefill and decode
@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from .plan import Target, plan_moe, target_of
+from .plan import Target, plan_linear, plan_moe, target_of
 from .routing import ROUTE_SLOTS
 from .tuning import Tuning, tuning_for
-from .weights import Exl3Experts
+from .weights import Exl3Experts, Exl3Slices, Exl3Weight
 
 log = logging.getLogger(__name__)
 _WARM: set = set()  # (device, shapes, K, codebooks, top_k, max_tokens) already warmed in this process
@@ -79,4 +79,43 @@ def warm_up_moe(experts: Exl3Experts, top_k: int, max_tokens: int, dtype: torch.
     _WARM.add(key)
     log.info("exl3: fused MoE kernels warmed up at %d batch sizes (1..%d tokens) in %.1f s", len(sizes), max_tokens,
              time.perf_counter() - t0)
+    return sizes
+
+
+def linear_sizes(w: Exl3Weight, slices: int, max_tokens: int, target: Target, tuning: Tuning) -> list[int]:
+    """The smallest row count of each distinct dense-layer launch over 1..max_tokens (plan but the count, and the
+    count's Triton specialization)."""
+    first: dict = {}
+    for rows in range(1, max_tokens + 1):
+        plan = plan_linear(rows, w, target, tuning, slices, True)
+        first.setdefault((dataclasses.replace(plan, rows=0), rows == 1, rows % 16 == 0), rows)
+    return sorted(first.values())
+
+
+def warm_up_linear(weights: "Exl3Slices | list[Exl3Weight]", max_tokens: int, dtype: torch.dtype,
+                   tuning: Tuning | None = None) -> list[int]:
+    """A dense EXL3 layer's launches (one set of slices, or layers one by one, as ops runs them) once per distinct
+    launch over 1..max_tokens rows; returns the row counts run, [] where the same shapes were warmed already."""
+    from .ops import exl3_linear, exl3_linear_slices
+    parts = [weights.stack] if isinstance(weights, Exl3Slices) else list(weights)
+    dev = parts[0].trellis.device
+    shapes = tuple((w.experts, w.k, w.n, w.K, w.codebook) for w in parts)
+    key = ("linear", str(dev), max_tokens, dtype, tuning, isinstance(weights, Exl3Slices), shapes)
+    if key in _WARM:
+        return []
+    t0, tuning = time.perf_counter(), tuning or tuning_for(str(dev))
+    sizes = sorted({n for w in parts for n in linear_sizes(w, max(w.experts, 1), max_tokens, target_of(dev), tuning)})
+    g = torch.Generator().manual_seed(0)
+    for rows in sizes:
+        x = (torch.randn(rows, parts[0].in_features, generator=g) * 0.1).to(dev, dtype)
+        if isinstance(weights, Exl3Slices):
+            exl3_linear_slices(x, weights, "triton", tuning)
+        else:
+            for w in parts:
+                exl3_linear(x, w, None, "triton", tuning)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    _WARM.add(key)
+    log.info("exl3: dense layer kernels (%s) warmed up at %d row counts in %.1f s", "x".join(map(str, shapes[0][1:3])),
+             len(sizes), time.perf_counter() - t0)
     return sizes

@@ -8,8 +8,9 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.model_executor.layers.linear import LinearMethodBase, RowParallelLinear
 
 from ..format.layer import decode_weight, slice_layer
-from ..kernels.ops import Exl3Slices, Exl3Weight, exl3_linear_op, register_linear
+from ..kernels.ops import Exl3Slices, Exl3Weight, exl3_linear_op, register_linear, warm_up_linear
 from .loading import collector
+from .warmup import max_batch_tokens, wanted
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class Exl3LinearMethod(LinearMethodBase):
         layer._exl3 = {}
         layer._exl3_shape = (input_size_per_partition, list(output_partition_sizes), input_size, params_dtype)
         layer._exl3_device = torch.empty(0).device  # vLLM builds the model under its target device
+        self.max_tokens = max_batch_tokens()
         for suffix in sorted(self.suffixes):
             layer.register_parameter(suffix, collector(layer, suffix, experts=False))
 
@@ -38,6 +40,8 @@ class Exl3LinearMethod(LinearMethodBase):
                               .to(layer._exl3_device) for key, out in zip(shards, out_parts)]
             slices = self._merge(layer._weights)
             layer._exl3_index = register_linear(slices if slices is not None else layer._weights, owner=layer)
+            if wanted(layer._exl3_device):  # compile every batch size's kernels now, not while requests wait
+                warm_up_linear(slices if slices is not None else layer._weights, self.max_tokens, dtype)
             del layer._weights
             for suffix in self.suffixes:
                 delattr(layer, suffix)

@@ -4,7 +4,6 @@ compute dtype and run as a plain torch loop (the CPU: memory of a dense model, t
 """
 import functools
 import logging
-import os
 import types
 
 import torch
@@ -13,16 +12,10 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from ..format.layer import decode_weight, slice_layer
 from ..kernels.ops import Exl3Experts, Exl3Weight, activation_ref, fused_moe, warm_up_moe
 from .loading import collector, load_named_experts
+from .warmup import max_batch_tokens, wanted
 
 SHARD = {"w1": "gate", "w3": "up", "w2": "down"}
 log = logging.getLogger(__name__)
-
-
-def max_batch_tokens() -> int:
-    """The most tokens vLLM's scheduler puts in one step, read while the model is built (8192 outside vLLM)."""
-    from vllm.config import get_current_vllm_config_or_none
-    config = get_current_vllm_config_or_none()
-    return config.scheduler_config.max_num_batched_tokens if config is not None else 8192
 
 
 @functools.cache
@@ -106,9 +99,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         layer.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
 
     def _warm_up(self, layer) -> None:
-        """Compile the kernels of every batch size now, not while requests wait (once per process and shapes).
-        GPUs only: the Triton interpreter compiles nothing. XMOE_WARMUP=0 skips it."""
-        if layer._exl3_device.type == "cuda" and os.environ.get("XMOE_WARMUP", "1") != "0":
+        """Compile the kernels of every batch size now, not while requests wait (once per process and shapes)."""
+        if wanted(layer._exl3_device):
             warm_up_moe(layer._experts, self.moe.experts_per_token, self.max_tokens, layer._exl3_shape[3],
                         layer.expert_map, self.moe.swiglu_limit)
 
