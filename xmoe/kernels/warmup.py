@@ -74,8 +74,9 @@ def warm_up_moe(experts: Exl3Experts, top_k: int, max_tokens: int, dtype: torch.
         share = torch.full((tokens, top_k), 1 / top_k, device=dev)
         for ids in routings(tokens, top_k, count, dense, g):
             fused_moe(x, ids.to(dev, ids_dtype), share, experts, limit, expert_map, "triton", tuning)
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # and give the warm-up's buffers back before vLLM sizes its cache
         torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
     _WARM.add(key)
     log.info("exl3: fused MoE kernels warmed up at %d batch sizes (1..%d tokens) in %.1f s", len(sizes), max_tokens,
              time.perf_counter() - t0)
@@ -113,8 +114,9 @@ def warm_up_linear(weights: "Exl3Slices | list[Exl3Weight]", max_tokens: int, dt
         else:
             for w in parts:
                 exl3_linear(x, w, None, "triton", tuning)
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # and give the warm-up's buffers back before vLLM sizes its cache
         torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
     _WARM.add(key)
     log.info("exl3: dense layer kernels (%s) warmed up at %d row counts in %.1f s", "x".join(map(str, shapes[0][1:3])),
              len(sizes), time.perf_counter() - t0)
