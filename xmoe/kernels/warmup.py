@@ -1,11 +1,11 @@
 """Compile the fused MoE's (and dense EXL3 layers') Triton kernels before a server takes requests.
 
 Each kernel variant compiles at its first launch, which takes seconds. vLLM's start-up launches the batch sizes it
-captures in CUDA graphs and one of its largest batch, but not the sizes in between, which mixed prefill and decode
-batches reach all the time: without a warm-up, every request in flight stalls while a new size compiles. Token
-counts that share a plan (everything but the count) launch the same variants, so one call per distinct plan over
-1..max_tokens compiles them all; a plan that may take the dense path gets a second call whose routing sends half
-its tokens to the same few experts, which compiles the dense kernels too.
+captures in CUDA graphs and one batch of its largest size, but not the sizes in between, which mixed prefill and
+decode batches reach all the time: without a warm-up, every request in flight stalls while a new size compiles.
+Token counts with the same launch_key launch the same variants, so one call per distinct key over 1..max_tokens
+compiles them all; a call that may take the dense path gets a second one whose routing sends half its tokens to
+the same few experts, which compiles the dense kernels too.
 """
 import dataclasses
 import logging
@@ -19,7 +19,7 @@ from .tuning import Tuning, tuning_for
 from .weights import Exl3Experts, Exl3Slices, Exl3Weight
 
 log = logging.getLogger(__name__)
-_WARM: set = set()  # (device, shapes, K, codebooks, top_k, max_tokens) already warmed in this process
+_WARM: set = set()  # what this process has warmed up: device, shapes, K, codebooks, dtypes, batch limit
 
 
 def launch_key(tokens: int, top_k: int, experts: Exl3Experts, target: Target, tuning: Tuning) -> tuple:
