@@ -1,7 +1,7 @@
 """The warm-up (kernels.warmup) of the fused MoE and of dense EXL3 layers: one call per distinct launch over
-1..max_tokens tokens, so that a server compiles no kernel variant while requests wait. On a GPU, calls at other counts after the warm-up compile
-nothing (Triton's post-compile hook counts); on the CPU, the counts it picks, and the warm-up itself under the
-Triton interpreter, dense path included."""
+1..max_tokens tokens, so that a server compiles no kernel variant while requests wait. On a GPU, calls at other
+counts after the warm-up compile nothing (Triton's post-compile hook counts); on the CPU, the counts it picks, and
+the warm-up itself under the Triton interpreter, dense path included."""
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -14,10 +14,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cases import random_experts, random_weight  # noqa: E402
 from checks import run_interpreted  # noqa: E402
 
-from xmoe.kernels.ops import Exl3Slices, exl3_linear, exl3_linear_slices, fused_moe, warm_up_linear, warm_up_moe  # noqa: E402,E501
+from xmoe.kernels.ops import (Exl3Slices, exl3_linear, exl3_linear_slices, fused_moe,  # noqa: E402
+                              warm_up_linear, warm_up_moe)
 from xmoe.kernels.plan import Target  # noqa: E402
 from xmoe.kernels.tuning import DEFAULT  # noqa: E402
-from xmoe.kernels.warmup import launch_key, linear_sizes, plan_sizes, routings  # noqa: E402
+from xmoe.kernels.warmup import launch_key, linear_key, linear_sizes, plan_sizes, routings  # noqa: E402
 
 H100 = Target(name="H100", sms=132, gpu=True, tma=True, shared_memory=232448)
 
@@ -43,11 +44,9 @@ def test_linear_sizes_cover_every_row_count():
     w = SimpleNamespace(n=2304, k=5120, K=2, codebook="mcg", experts=0)
     sizes = linear_sizes(w, 1, 4096, H100, DEFAULT)
     assert sizes[0] == 1 and 16 in sizes and len(sizes) < 100
-    # every row count launches like one of them: the same plan but the count, and the same specialization
-    from xmoe.kernels.plan import plan_linear
-    def key(rows):
-        return replace(plan_linear(rows, w, H100, DEFAULT, 1, True), rows=0), rows == 1, rows % 16 == 0
-    assert {key(n) for n in range(1, 4097)} == {key(n) for n in sizes}
+    keys = [linear_key(n, w, 1, H100, DEFAULT) for n in sizes]
+    assert len(set(keys)) == len(keys)
+    assert set(keys) == {linear_key(n, w, 1, H100, DEFAULT) for n in range(1, 4097)}
 
 
 def test_routings_spread_and_mixed():

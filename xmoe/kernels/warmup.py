@@ -32,13 +32,33 @@ def launch_key(tokens: int, top_k: int, experts: Exl3Experts, target: Target, tu
     return dataclasses.replace(plan, tokens=0, slots=0), block, tokens == 1, tokens % 16 == 0, slots % 16 == 0
 
 
-def plan_sizes(experts: Exl3Experts, top_k: int, max_tokens: int, target: Target, tuning: Tuning) -> list[int]:
-    """The smallest token count of each distinct launch_key over 1..max_tokens (planned as an eager call, as the
-    sizes between vLLM's CUDA-graph sizes run)."""
+def linear_key(rows: int, w: Exl3Weight, slices: int, target: Target, tuning: Tuning) -> tuple:
+    """launch_key's counterpart for a dense layer: its plan but the count, and the count's specialization."""
+    plan = plan_linear(rows, w, target, tuning, slices, True)
+    return dataclasses.replace(plan, rows=0), rows == 1, rows % 16 == 0
+
+
+def smallest_per_key(key, max_tokens: int) -> dict[int, tuple]:
+    """{count: key(count)} for the smallest count of each distinct key over 1..max_tokens (planned as eager calls,
+    as the sizes between vLLM's CUDA-graph sizes run)."""
     first: dict = {}
-    for tokens in range(1, max_tokens + 1):
-        first.setdefault(launch_key(tokens, top_k, experts, target, tuning), tokens)
-    return sorted(first.values())
+    for n in range(1, max_tokens + 1):
+        first.setdefault(key(n), n)
+    return {n: k for k, n in sorted(first.items(), key=lambda item: item[1])}
+
+
+def plan_sizes(experts: Exl3Experts, top_k: int, max_tokens: int, target: Target, tuning: Tuning) -> list[int]:
+    """The smallest token count of each distinct launch_key over 1..max_tokens."""
+    return list(smallest_per_key(lambda n: launch_key(n, top_k, experts, target, tuning), max_tokens))
+
+
+def _done(dev: torch.device, key: tuple, what: str, sizes: list[int], t0: float) -> list[int]:
+    if dev.type == "cuda":  # and give the warm-up's buffers back before vLLM sizes its cache
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+    _WARM.add(key)
+    log.info("exl3: %s kernels warmed up at %d sizes in %.1f s", what, len(sizes), time.perf_counter() - t0)
+    return sizes
 
 
 def routings(tokens: int, top_k: int, count: int, dense: bool, generator: torch.Generator) -> list[torch.Tensor]:
@@ -64,33 +84,21 @@ def warm_up_moe(experts: Exl3Experts, top_k: int, max_tokens: int, dtype: torch.
            tuple((w.experts, w.k, w.n, w.K, w.codebook) for w in (experts.gate, experts.up, experts.down)))
     if key in _WARM:
         return []
-    t0, tuning = time.perf_counter(), tuning or tuning_for(str(dev))
-    sizes = plan_sizes(experts, top_k, max_tokens, target_of(dev), tuning)
+    t0, tuning, target = time.perf_counter(), tuning or tuning_for(str(dev)), target_of(dev)
+    keys = smallest_per_key(lambda n: launch_key(n, top_k, experts, target, tuning), max_tokens)
     count = experts.gate.experts if expert_map is None else expert_map.numel()  # routing ids are global
     g = torch.Generator().manual_seed(0)
-    for tokens in sizes:
-        dense = plan_moe(tokens, top_k, experts, target_of(dev), tuning, True).dense
+    for tokens, (plan, *_) in keys.items():
         x = (torch.randn(tokens, experts.hidden, generator=g) * 0.1).to(dev, dtype)
         share = torch.full((tokens, top_k), 1 / top_k, device=dev)
-        for ids in routings(tokens, top_k, count, dense, g):
+        for ids in routings(tokens, top_k, count, plan.dense, g):
             fused_moe(x, ids.to(dev, ids_dtype), share, experts, limit, expert_map, "triton", tuning)
-    if dev.type == "cuda":  # and give the warm-up's buffers back before vLLM sizes its cache
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-    _WARM.add(key)
-    log.info("exl3: fused MoE kernels warmed up at %d batch sizes (1..%d tokens) in %.1f s", len(sizes), max_tokens,
-             time.perf_counter() - t0)
-    return sizes
+    return _done(dev, key, f"fused MoE (1..{max_tokens} tokens)", list(keys), t0)
 
 
 def linear_sizes(w: Exl3Weight, slices: int, max_tokens: int, target: Target, tuning: Tuning) -> list[int]:
-    """The smallest row count of each distinct dense-layer launch over 1..max_tokens (plan but the count, and the
-    count's Triton specialization)."""
-    first: dict = {}
-    for rows in range(1, max_tokens + 1):
-        plan = plan_linear(rows, w, target, tuning, slices, True)
-        first.setdefault((dataclasses.replace(plan, rows=0), rows == 1, rows % 16 == 0), rows)
-    return sorted(first.values())
+    """The smallest row count of each distinct linear_key over 1..max_tokens."""
+    return list(smallest_per_key(lambda n: linear_key(n, w, slices, target, tuning), max_tokens))
 
 
 def warm_up_linear(weights: "Exl3Slices | list[Exl3Weight]", max_tokens: int, dtype: torch.dtype,
@@ -114,10 +122,4 @@ def warm_up_linear(weights: "Exl3Slices | list[Exl3Weight]", max_tokens: int, dt
         else:
             for w in parts:
                 exl3_linear(x, w, None, "triton", tuning)
-    if dev.type == "cuda":  # and give the warm-up's buffers back before vLLM sizes its cache
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
-    _WARM.add(key)
-    log.info("exl3: dense layer kernels (%s) warmed up at %d row counts in %.1f s", "x".join(map(str, shapes[0][1:3])),
-             len(sizes), time.perf_counter() - t0)
-    return sizes
+    return _done(dev, key, f"dense {shapes[0][1]}x{shapes[0][2]} (1..{max_tokens} rows)", sizes, t0)
