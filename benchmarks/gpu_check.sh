@@ -2,9 +2,9 @@
 # Every GPU figure and GPU test of the project in one run, for a machine with one CUDA GPU, xmoe and vLLM
 # installed (e.g. from an `xmoe wheelhouse`):
 #   1. the serving benchmark alone on the GPU (EXL3 against bf16 at the most layers bf16 fits: 4 on 80 GB, 8 above);
-#   2. the per-call fused-MoE figures alone on the GPU, at HEAD and, given OLD (a checkout of another commit),
-#      there too, alternating;
-#   3. a 10-minute 16-client soak with the GPU test suites beside it (correctness, not timing).
+#   2. a 10-minute 16-client soak with the GPU test suites beside it (correctness, not timing);
+#   3. the per-call fused-MoE figures alone on the GPU, at HEAD and, given OLD (a checkout of another commit),
+#      there too, alternating (last: the least needed when the GPU time runs out).
 # Results and logs go to OUT; progress.txt says what finished when.
 #   bash benchmarks/gpu_check.sh OUT [OLD]
 set -uo pipefail
@@ -17,29 +17,33 @@ stamp "start $(git rev-parse --short HEAD 2>/dev/null)"
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 layers=4; [ "${mem:-0}" -gt 120000 ] && layers=8
-timeout 1500 python3 benchmarks/serve_gpu.py --variant "bf16:$layers" "exl3:$layers" --repeats 3 \
+timeout 1500 python3 benchmarks/serve_gpu.py --variant "bf16:$layers" "exl3:$layers" --repeats 3 --vllm-arg=--jit-monitor-verbose \
     --json "$out/serve_gpu.json" > "$out/serve_gpu.log" 2>&1
 stamp "serve_gpu rc=$?"
 cp /tmp/xmoe-serve-gpu/server-*.log "$out/" 2>/dev/null
 
+timeout 1500 python3 benchmarks/serve_gpu.py --variant exl3:4 --soak-only --soak 600 --streams 16 --gpu-memory 0.4 --vllm-arg=--jit-monitor-verbose \
+    --port 8392 --work /tmp/xmoe-soak --json "$out/soak.json" > "$out/soak.log" 2>&1 &
+soak=$!
+sleep 150  # the soak server's start-up, before the tests share the GPU
+# Both suites at once, so that they fit inside the soak's 10 minutes.
+timeout 1800 python3 -m pytest -q -ra tests/vllm/test_serve_gpu.py > "$out/test_serve_gpu.log" 2>&1 &
+serve_tests=$!
+timeout 1800 python3 -m pytest -q -ra -m gpu -n 4 tests --ignore=tests/vllm/test_serve_gpu.py \
+    > "$out/test_gpu_suite.log" 2>&1
+stamp "gpu suite rc=$?"
+wait $serve_tests
+stamp "test_serve_gpu rc=$?"
+wait $soak
+stamp "soak rc=$?"
+cp /tmp/xmoe-soak/server-*.log "$out/" 2>/dev/null
+
 for tree in . "$old" . "$old"; do
     [ -n "$tree" ] || continue
     name=$(git -C "$tree" rev-parse --short HEAD 2>/dev/null || basename "$tree")
-    (cd "$tree" && PYTHONPATH=$PWD timeout 600 python3 benchmarks/moe_kernel.py --no-stock --tokens 1 6 12 48 1542 \
+    (cd "$tree" && PYTHONPATH=$PWD timeout 600 python3 benchmarks/moe_kernel.py --no-stock --tokens 12 48 1542 \
         --json "$out/moe_kernel_${name}_$(date +%s).json" >> "$out/moe_kernel_$name.log" 2>&1)
     stamp "moe_kernel $name rc=$?"
 done
 
-timeout 1500 python3 benchmarks/serve_gpu.py --variant exl3:4 --soak-only --soak 600 --streams 16 --gpu-memory 0.4 \
-    --port 8392 --work /tmp/xmoe-soak --json "$out/soak.json" > "$out/soak.log" 2>&1 &
-soak=$!
-sleep 180  # the soak server's start-up, before the tests share the GPU
-timeout 1800 python3 -m pytest -q -ra tests/vllm/test_serve_gpu.py > "$out/test_serve_gpu.log" 2>&1
-stamp "test_serve_gpu rc=$?"
-timeout 1800 python3 -m pytest -q -ra -m gpu -n 6 tests --ignore=tests/vllm/test_serve_gpu.py \
-    > "$out/test_gpu_suite.log" 2>&1
-stamp "gpu suite rc=$?"
-wait $soak
-stamp "soak rc=$?"
-cp /tmp/xmoe-soak/server-*.log "$out/" 2>/dev/null
 stamp done
