@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.." && mkdir -p "$out" || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stamp() { echo "$(date +%T) $*" >> "$out/progress.txt"; }
 
-stamp "start $(git rev-parse --short HEAD 2>/dev/null)"
+stamp "start $(git rev-parse --short HEAD 2>/dev/null || echo "${XMOE_COMMIT:-}")"
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 layers=4; [ "${mem:-0}" -gt 120000 ] && layers=8
@@ -40,7 +40,8 @@ cp /tmp/xmoe-soak/server-*.log "$out/" 2>/dev/null
 
 for tree in . "$old" . "$old"; do
     [ -n "$tree" ] || continue
-    name=$(git -C "$tree" rev-parse --short HEAD 2>/dev/null || basename "$tree")
+    name=$(git -C "$tree" rev-parse --short HEAD 2>/dev/null) ||
+        name=$([ "$tree" = . ] && echo "${XMOE_COMMIT:-head}" || basename "$tree")
     (cd "$tree" && PYTHONPATH=$PWD timeout 600 python3 benchmarks/moe_kernel.py --no-stock --tokens 12 48 1542 \
         --json "$out/moe_kernel_${name}_$(date +%s).json" >> "$out/moe_kernel_$name.log" 2>&1)
     stamp "moe_kernel $name rc=$?"
