@@ -93,7 +93,8 @@ def loaded_gib(log: str) -> float | None:
 
 
 def step_profile(trace_dir: Path, layers: int) -> dict:
-    """Kernel time of the profiled decode steps by kind, per step: routed experts, routing, attention, the rest.
+    """Kernel time of the profiled decode steps by kind, per step: routed experts, routing, attention, the rest;
+    and the wall time a step spans on the GPU (kernels plus the idle gaps between them, where the host is late).
     Steps are counted by the model's last kernel before sampling (the LM head GEMM's launch count is unreliable
     under graphs, so the count of the most frequent per-layer kernel / layers is used)."""
     files = sorted(trace_dir.rglob("*.json.gz")) + sorted(trace_dir.rglob("*.json"))
@@ -114,8 +115,10 @@ def step_profile(trace_dir: Path, layers: int) -> dict:
     if not steps:
         return {"error": "no attention kernel in the trace: steps not countable", "kernels": len(kernels)}
     top = sorted(((sum(k["dur"] for k in kernels if k["name"] == n), n) for n in counts), reverse=True)[:12]
+    # first kernel's start to last kernel's end: the steps' wall time, so (span - kernels) is the GPU's idle time
+    span = max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)
     return {"steps": steps, **{f"{k}_us": v / steps for k, v in total.items()},
-            "step_us": sum(total.values()) / steps,
+            "step_us": sum(total.values()) / steps, "span_us": span / steps,
             "experts_share": total["experts"] / max(sum(total.values()), 1e-9),
             "top_kernels_us_per_step": {n: d / steps for d, n in top}}
 
