@@ -17,7 +17,9 @@ stamp "start $(git rev-parse --short HEAD 2>/dev/null || echo "${XMOE_COMMIT:-}"
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 layers=4; [ "${mem:-0}" -gt 120000 ] && layers=8
-timeout 1500 python3 benchmarks/serve_gpu.py --variant "bf16:$layers" "exl3:$layers" --repeats 3 --vllm-arg=--jit-monitor-verbose \
+# PREFILL: the prompt lengths timed (fewer where GPU time is short)
+timeout 1500 python3 benchmarks/serve_gpu.py --variant "bf16:$layers" "exl3:$layers" --repeats 3 \
+    --prefill ${PREFILL:-2048 16384} --vllm-arg=--jit-monitor-verbose \
     --json "$out/serve_gpu.json" > "$out/serve_gpu.log" 2>&1
 stamp "serve_gpu rc=$?"
 cp /tmp/xmoe-serve-gpu/server-*.log "$out/" 2>/dev/null
