@@ -5,7 +5,7 @@
 #   2. a 10-minute 16-client soak with the GPU test suites beside it (correctness, not timing);
 #   3. the per-call fused-MoE figures alone on the GPU, at HEAD and, given OLD (a checkout of another commit),
 #      there too, alternating (last: the least needed when the GPU time runs out).
-# Results and logs go to OUT; progress.txt says what finished when.
+# Results and logs go to OUT; progress.txt says what finished when. SOAK=seconds (0: the tests alone), PREFILL.
 #   bash benchmarks/gpu_check.sh OUT [OLD]
 set -uo pipefail
 out=$(realpath -m "${1:?usage: gpu_check.sh OUT [OLD]}"); old=${2:-}
@@ -24,10 +24,14 @@ timeout 1500 python3 benchmarks/serve_gpu.py --variant "bf16:$layers" "exl3:$lay
 stamp "serve_gpu rc=$?"
 cp /tmp/xmoe-serve-gpu/server-*.log "$out/" 2>/dev/null
 
-timeout 1500 python3 benchmarks/serve_gpu.py --variant exl3:4 --soak-only --soak 600 --streams 16 --gpu-memory 0.4 --vllm-arg=--jit-monitor-verbose \
-    --port 8392 --work /tmp/xmoe-soak --json "$out/soak.json" > "$out/soak.log" 2>&1 &
-soak=$!
-sleep 150  # the soak server's start-up, before the tests share the GPU
+soak= soak_s=${SOAK:-600}
+if [ "$soak_s" -gt 0 ]; then
+    timeout $((soak_s + 900)) python3 benchmarks/serve_gpu.py --variant exl3:4 --soak-only --soak "$soak_s" --streams 16 \
+        --gpu-memory 0.4 --port 8392 --work /tmp/xmoe-soak --vllm-arg=--jit-monitor-verbose \
+        --json "$out/soak.json" > "$out/soak.log" 2>&1 &
+    soak=$!
+    sleep 150  # the soak server's start-up, before the tests share the GPU
+fi
 # Both suites at once, so that they fit inside the soak's 10 minutes.
 timeout 1800 python3 -m pytest -q -ra tests/vllm/test_serve_gpu.py > "$out/test_serve_gpu.log" 2>&1 &
 serve_tests=$!
@@ -36,9 +40,11 @@ timeout 1800 python3 -m pytest -q -ra -m gpu -n 4 tests --ignore=tests/vllm/test
 stamp "gpu suite rc=$?"
 wait $serve_tests
 stamp "test_serve_gpu rc=$?"
-wait $soak
-stamp "soak rc=$?"
-cp /tmp/xmoe-soak/server-*.log "$out/" 2>/dev/null
+if [ -n "$soak" ]; then
+    wait $soak
+    stamp "soak rc=$?"
+    cp /tmp/xmoe-soak/server-*.log "$out/" 2>/dev/null
+fi
 
 for tree in . "$old" . "$old"; do
     [ -n "$tree" ] || continue
