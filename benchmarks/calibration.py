@@ -184,6 +184,7 @@ def model_table(args) -> list[dict]:
             jobs.quantize_ldlq = fn or ours
             opts = ConvertOptions(bits=K, codebook=args.codebook, encoder="viterbi" if dev[0] != "cpu" else "beam",
                                   beam_width=args.beam_width, keep=keep, calibrate=fn is not None,
+                                  bits_for=tuple(args.bits_for),
                                   calib_rows=args.rows, calib_cols=args.cols, calib_inputs=inputs or "quantized")
             with tempfile.TemporaryDirectory(dir=args.work) as tmp:
                 t0 = time.perf_counter()
@@ -192,7 +193,8 @@ def model_table(args) -> list[dict]:
                 q = evaluate(str(Path(tmp) / "pack"), str(reference), QualityOptions(QUALITY_TEXT, tokens=args.tokens))
                 mix = allocation(Path(tmp) / "pack")
             rows.append({"encoder": name, "K": K, "layers": args.layers, "kl_mean": q["kl_mean"], "ppl": q["ppl"],
-                         "ppl_reference": q["ppl_reference"], "build_s": seconds, **mix})
+                         "ppl_reference": q["ppl_reference"], "build_s": seconds, **mix,
+                         **({"bits_for": [f"{p}={k:g}" for p, k in args.bits_for]} if args.bits_for else {})})
             print(json.dumps(rows[-1]), file=sys.stderr)
     jobs.quantize_ldlq = ours
     return rows
@@ -206,6 +208,7 @@ def allocation(pack: Path) -> dict:
 
 
 def main() -> int:
+    from xmoe.cli import _bits_rule
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("table", choices=["layers", "model"])
     p.add_argument("--bits", type=float, nargs="+", default=[2, 3, 4])
@@ -222,6 +225,8 @@ def main() -> int:
                         "(none: the uncalibrated pack alone)")
     p.add_argument("--no-uncalibrated", action="store_true",
                    help="model table: no uncalibrated pack (its figure is already known for these settings)")
+    p.add_argument("--bits-for", type=_bits_rule, action="append", default=[], metavar="PATTERN=K",
+                   help="model table: K for expert modules whose key matches PATTERN, as `xmoe quantize` takes it")
     p.add_argument("--work", default="/tmp/xmoe-calibration-bench", help="captured weights and Hessians")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
