@@ -185,6 +185,8 @@ def calibration_model_tables(runs: list[dict]) -> list[str]:
         for r in run["rows"]:
             where = spans(sorted(r["layers"]))
             mix = "" if is_K(r["K"], st["codebook"]) else " (the allocator's average)"
+            if r.get("bits_for"):  # rules over module keys set some layers' K by hand
+                mix += ", " + "; ".join(r["bits_for"]).replace("|", "\\|")  # a table cell
             rows.append([r["encoder"], f"{r['K']:g} {st['codebook']}{mix}", where, f"{r['kl_mean']:.3f}",
                          f"{r['ppl']:.2f} ({r['ppl_reference']:.2f})",
                          f"{st['rows']} x {st['cols']}" if "uncalibrated" not in r["encoder"] else "-",
