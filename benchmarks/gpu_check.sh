@@ -50,7 +50,7 @@ for tree in . "$old" . "$old"; do
     [ -n "$tree" ] || continue
     name=$(git -C "$tree" rev-parse --short HEAD 2>/dev/null) ||
         name=$([ "$tree" = . ] && echo "${XMOE_COMMIT:-head}" || basename "$tree")
-    (cd "$tree" && PYTHONPATH=$PWD timeout 600 python3 benchmarks/moe_kernel.py --no-stock --tokens 12 48 1542 \
+    (cd "$tree" && PYTHONPATH=$PWD timeout 600 python3 benchmarks/moe_kernel.py --no-stock --tokens 1 6 12 48 1542 \
         --json "$out/moe_kernel_${name}_$(date +%s).json" >> "$out/moe_kernel_$name.log" 2>&1)
     stamp "moe_kernel $name rc=$?"
 done
