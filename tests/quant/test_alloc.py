@@ -55,10 +55,11 @@ def test_fixed_tensors_count_against_the_budget():
 
 
 def test_candidates():
-    assert candidates(2.25, "mcg") == [2, 3, 4]
-    assert candidates(2.25, "mul1") == [2, 2.5, 3, 3.5, 4]
-    assert candidates(5.5, "mcg") == [5, 6, 7]
-    assert candidates(1.75, "mcg") == [1, 2, 3]
+    assert candidates(2.25, "mcg") == [2, 3]
+    assert candidates(2.25, "mul1") == [2, 2.5, 3]
+    assert candidates(5.5, "mcg") == [5, 6]
+    assert candidates(1.75, "mcg") == [1, 2]
+    assert candidates(7.5, "mcg") == [7, 8]
     assert candidates(2.0, "mcg") == [2, 3]  # --allocate at a whole K never trades K=1 for K=3
 
 

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from ..format.trellis import HALF_K
 from .experts import ExpertProj
 
 MAX_UNITS = 1 << 18  # the knapsack's budget resolution; coarser units round every item up (never over budget)
@@ -91,12 +92,13 @@ def allocate(costs: list[dict[float, float]], numels: list[int], bits: float, fi
 
 
 def candidates(bits: float, codebook: str) -> list[float]:
-    """The K the allocator may pick for an average of `bits`: whole K from the budget's floor to one above
-    its ceiling (1..8), and the half-integer K mul1 has in between. Never below the floor: the cost adds
-    relative errors as if they were small, which K=1's are not (a 2.5-bit mix with K=1 in it scored worse
-    on the demo than K=2 everywhere)."""
-    lo, hi = max(1, math.floor(bits)), min(8, math.ceil(bits) + 1)
+    """The K the allocator may pick for an average of `bits`: the whole K on either side of a fractional
+    budget (at a whole K, that K and the next), and the half-integer K mul1 has in between. The cost adds
+    relative errors as if they were small, which they are not two steps apart: on the demo, K=1 in a
+    2.5-bit mix, or K=4 in a 2.75-bit one, bought its rich layers less than it cost the poor ones."""
+    lo = max(1, math.floor(bits))
+    hi = min(8, math.ceil(bits) if bits > lo else lo + 1)
     ks = [float(k) for k in range(lo, hi + 1)]
     if codebook == "mul1":
-        ks += [k for k in (1.5, 2.5, 3.5) if lo < k < hi]
+        ks += [k for k in HALF_K if lo < k < hi]
     return sorted(ks)
