@@ -119,3 +119,54 @@ def test_no_dense_layer_compiles_after_warm_up():
     finally:
         knobs.runtime.jit_post_compile_hook = hook
     assert not compiled, compiled[:5]
+
+
+OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")  # compile options: by value
+
+
+def specialization(fn, args: tuple, kwargs: dict) -> tuple:
+    """What Triton compiles a launch of `fn` for, as its JIT specializes: constexprs by value, integers on being 1
+    and divisible by 16, pointers on their dtype and 16-byte alignment, plus the launch options."""
+    import inspect
+    params = inspect.signature(fn.fn).parameters
+    key = [fn.__name__]
+    for name, v in {**dict(zip(params, args)), **kwargs}.items():
+        constexpr = name in params and "constexpr" in str(params[name].annotation)
+        if constexpr or name in OPTIONS or isinstance(v, (bool, str)) or v is None:
+            key.append((name, v))
+        elif isinstance(v, torch.Tensor):
+            key.append((name, v.dtype, v.data_ptr() % 16 == 0))
+        elif isinstance(v, int):
+            key.append((name, v == 1, v % 16 == 0))
+        else:
+            key.append((name, type(v).__name__))
+    return tuple(key)
+
+
+def launches_after_warm_up(max_tokens: int) -> None:
+    """Under the interpreter: every launch fused_moe makes at 1..max_tokens tokens, spread or skewed, has a
+    specialization the warm-up already launched (on a GPU, one it compiled)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    seen, run = set(), InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        seen.add(specialization(self, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording
+    experts = random_experts(8, 128, 128, 2, "mcg")
+    tuning = replace(DEFAULT, dense_rows=4)
+    warm_up_moe(experts, 2, max_tokens, torch.float32, tuning=tuning)
+    warm, g = set(seen), torch.Generator().manual_seed(1)
+    for tokens in range(1, max_tokens + 1):
+        x = torch.randn(tokens, 128, generator=g)
+        for ids in routings(tokens, 2, 8, True, g):
+            fused_moe(x, ids.int(), torch.full((tokens, 2), 0.5), experts, backend="triton", tuning=tuning)
+    new = [(key[0], sorted({item for w in warm if w[0] == key[0] for item in set(key) ^ set(w)}, key=str)[:6])
+           for key in seen - warm]
+    assert not new, new[:4]  # each new launch with what differs from the warm-up's launches of its kernel
+
+
+def test_warm_up_leaves_no_specialization_unlaunched():
+    pytest.importorskip("triton")
+    run_interpreted(launches_after_warm_up, 20)

@@ -8,7 +8,7 @@ import torch
 
 from .launch import CODEBOOK_ID, MASK, mul1_h, windows
 from .plan import is_tiled, mma_refusal, target_of
-from .routing import Routing, chunk_bound
+from .routing import Routing, aligned_rows, chunk_bound
 from .tuning import DEFAULT, Tile, Tuning
 from .weights import Exl3Weight
 
@@ -84,7 +84,7 @@ def find_hot(r: Routing, P: int, experts: int, BM: int, rows: int, tuning: Tunin
     GB = triton.next_power_of_2(-(-experts // G))
     flags = torch.empty(experts + 1, dtype=torch.int32, device=device)
     ids = torch.empty(experts, dtype=torch.int32, device=device)
-    table = torch.empty(3, chunk_bound(P, BM, experts), dtype=torch.int32, device=device)
+    table = aligned_rows(3, chunk_bound(P, BM, experts), device)
     counts = torch.empty(2 + GB, dtype=torch.int32, device=device)
     kernel[(1,)](runs, flags, ids, table, counts, experts, rows, tuning.dense_rest, runs.stride(0), table.stride(0),
                  BM=BM, G=G, EB=triton.next_power_of_2(experts + 1), GB=GB, num_warps=4)

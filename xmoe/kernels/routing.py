@@ -59,14 +59,20 @@ def route(topk_ids: torch.Tensor, experts: int, BM: int, expert_map: torch.Tenso
     return Routing((order // top_k).int(), sorted_e.int(), slot_pos.int(), local.int(), chunks)
 
 
+def aligned_rows(rows: int, n: int, device) -> torch.Tensor:
+    """(rows, n) int32 whose rows each start 64-byte aligned: Triton specializes a kernel on each pointer's 16-byte
+    alignment, and rows at offsets that vary with n would compile new variants while a server runs."""
+    return torch.empty(rows, -(-n // 16) * 16, dtype=torch.int32, device=device)[:, :n]
+
+
 def small_route(topk_ids, experts, BM, expert_map) -> tuple:
     """route_small's outputs, allocated: (the Routing they make, the kernel's arguments, its constexprs), for
     route_small itself or a launch that routes in one of its programs (triton_rotate.route_rotate)."""
     import triton
     P, dev = topk_ids.numel(), topk_ids.device
     bound = chunk_bound(P, BM, experts)
-    out = torch.empty(4, P, dtype=torch.int32, device=dev)  # rows, sorted_expert, slot_pos, slot_expert
-    table = torch.empty(3, bound + 1, dtype=torch.int32, device=dev)
+    out = aligned_rows(4, P, dev)  # rows, sorted_expert, slot_pos, slot_expert
+    table = aligned_rows(3, bound + 1, dev)
     count = torch.empty(1, dtype=torch.int32, device=dev)
     ids = topk_ids.contiguous()
     args = (ids, expert_map if expert_map is not None else ids, out[0], out[1], out[2], out[3], table, count, P,
@@ -94,8 +100,8 @@ def _route_counted(topk_ids, experts, BM, expert_map) -> Routing:
     ids = topk_ids.contiguous()
     emap = expert_map if expert_map is not None else ids
     hist = torch.empty(blocks, EB, dtype=torch.int32, device=dev)
-    out = torch.empty(4, P, dtype=torch.int32, device=dev)  # rows, sorted_expert, slot_pos, slot_expert
-    table = torch.empty(3, bound + 1, dtype=torch.int32, device=dev)
+    out = aligned_rows(4, P, dev)  # rows, sorted_expert, slot_pos, slot_expert
+    table = aligned_rows(3, bound + 1, dev)
     runs = torch.empty(2 * experts + 1, dtype=torch.int32, device=dev)  # starts, ends, the chunk count
     count = runs[2 * experts:]
     has_map = expert_map is not None

@@ -27,6 +27,7 @@ class LoadReport:
     seconds: float = 0.0  # wall time from the first request to the last answer
     requests: int = 0
     errors: list[str] = field(default_factory=list)
+    empty: int = 0  # answers finished with no text (the model's first token ended it): valid, counted apart
     output_tokens: int = 0
     prompt_tokens: int = 0
     latencies: list[float] = field(default_factory=list)  # per request, seconds
@@ -34,7 +35,7 @@ class LoadReport:
 
     def summary(self) -> dict:
         return {"clients": self.clients, "seconds": round(self.seconds, 1), "requests": self.requests,
-                "errors": len(self.errors), "output_tokens": self.output_tokens,
+                "errors": len(self.errors), "empty": self.empty, "output_tokens": self.output_tokens,
                 "output_tok_per_s": round(self.output_tokens / self.seconds, 1) if self.seconds else 0.0,
                 "latency_p50_s": _pct(self.latencies, 50), "latency_p95_s": _pct(self.latencies, 95),
                 "ttft_p50_s": _pct(self.ttfts, 50), "ttft_p95_s": _pct(self.ttfts, 95)}
@@ -48,7 +49,7 @@ def _pct(values: list[float], p: float) -> float | None:
 
 
 async def _one(client, model: str, prompt: str, opts: LoadOptions, report: LoadReport) -> None:
-    t0, first, usage, text = time.perf_counter(), None, None, ""
+    t0, first, usage, text, finish = time.perf_counter(), None, None, "", None
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=opts.max_tokens,
         temperature=0.7, stream=True, stream_options={"include_usage": True})
@@ -58,13 +59,22 @@ async def _one(client, model: str, prompt: str, opts: LoadOptions, report: LoadR
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
             text += chunk.choices[0].delta.content
-    if usage is None or not text:
-        raise RuntimeError(f"stream ended without {'usage' if usage is None else 'content'}")
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    # a stream cut short lacks its finish reason or usage; one that ends at once (say, end-of-text sampled first)
+    # is a valid answer with no text
+    if usage is None or finish is None:
+        raise RuntimeError(f"stream ended without {'usage' if usage is None else 'a finish reason'}")
+    if not text:
+        if not (finish == "stop" and usage.completion_tokens <= 1):
+            raise RuntimeError(f"no text in {usage.completion_tokens} tokens (finish reason {finish})")
+        report.empty += 1
     report.requests += 1
     report.output_tokens += usage.completion_tokens
     report.prompt_tokens += usage.prompt_tokens
     report.latencies.append(time.perf_counter() - t0)
-    report.ttfts.append(first - t0)
+    if first is not None:
+        report.ttfts.append(first - t0)
 
 
 async def _client(i: int, client, model: str, opts: LoadOptions, deadline: float, report: LoadReport) -> None:

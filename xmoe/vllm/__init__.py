@@ -3,7 +3,26 @@ OpenAI server's process corrects two tool-call behaviours of vLLM's structural-t
 
 vLLM runs the hook in every one of its processes, so registration is idempotent.
 """
+import logging
+
 _registered = False
+
+
+class _ToVllm(logging.Handler):
+    """Hands each record to vLLM's logger, whose handlers vLLM sets up when it likes (at import or at start-up)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm").handle(record)
+
+
+def share_vllm_logging() -> None:
+    """xmoe's log records (the kernels' warm-up, the loader) go where vLLM's own go, at INFO: Python's default
+    would show warnings only, and a user waiting on start-up should see what it is doing."""
+    ours = logging.getLogger("xmoe")
+    if not any(isinstance(h, _ToVllm) for h in ours.handlers):
+        ours.addHandler(_ToVllm())
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
 
 
 def register() -> None:
@@ -20,6 +39,7 @@ def register() -> None:
     from .config import Exl3Config
 
     check_version(vllm.__version__)
+    share_vllm_logging()
 
     register_quantization_config("exl3")(Exl3Config)
     _registered = True
