@@ -160,6 +160,7 @@ def serve_tables(runs: list[dict]) -> list[str]:
             shape.append([r["variant"], f"{loaded:.2f}" if loaded else "-", f"{size:.2f}",
                           f"{loaded / size:.3f}" if loaded else "-",
                           f"{prof['step_us'] / 1000:.2f}" if "step_us" in prof else "-",
+                          f"{prof['span_us'] / 1000:.2f}" if "span_us" in prof else "-",
                           f"{experts / 1000:.2f}" if experts is not None else "-",
                           f"{experts / r['layers']:.1f}" if experts is not None else "-", provenance([run])])
     head = ("variant (kind-layers)", "decode tok/s 1 stream", "4 streams", "16 streams", "prefill tok/s 2K",
@@ -167,14 +168,15 @@ def serve_tables(runs: list[dict]) -> list[str]:
     timed = [r for r in speed if any(c != "-" for c in r[1:-1])]
     measured = [r for r in shape if r[1] != "-" or r[4] != "-"]
     out = [*table(head, timed), "", *table(("variant", "loaded GiB (vLLM)", "tensors GiB", "loaded / tensors",
-                                            "decode step ms (kernels, 1 stream)", "routed-expert kernels ms",
+                                            "decode step ms (kernels, 1 stream)",
+                                            "step span ms (first to last kernel)", "routed-expert kernels ms",
                                             "per layer us", "commit (date)"), measured)]
-    soaks = [[r["variant"], s["clients"], f"{s['seconds']:.0f}", s["requests"], s["errors"],
+    soaks = [[r["variant"], s["clients"], f"{s['seconds']:.0f}", s["requests"], s["errors"], s.get("empty", "-"),
               f"{s['output_tok_per_s']:,.0f}", provenance([run])]
              for run in runs for r in run["rows"] for s in [r.get("soak")] if s]
     if soaks:
         out += ["", *table(("soak: variant", "streaming clients", "seconds", "requests", "failed",
-                            "output tok/s", "commit (date)"), soaks)]
+                            "empty answers", "output tok/s", "commit (date)"), soaks)]
     return out
 
 
