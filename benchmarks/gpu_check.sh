@@ -13,7 +13,8 @@ cd "$(dirname "$0")/.." && mkdir -p "$out" || exit 1
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 stamp() { echo "$(date +%T) $*" >> "$out/progress.txt"; }
 
-stamp "start $(git rev-parse --short HEAD 2>/dev/null || echo "${XMOE_COMMIT:-}")"
+# XMOE_COMMIT names a copy of the tree without its own .git (or with a stale one)
+stamp "start ${XMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 layers=4; [ "${mem:-0}" -gt 120000 ] && layers=8
@@ -23,6 +24,8 @@ timeout 1500 python3 benchmarks/serve_gpu.py --variant "bf16:$layers" "exl3:$lay
     --json "$out/serve_gpu.json" > "$out/serve_gpu.log" 2>&1
 stamp "serve_gpu rc=$?"
 cp /tmp/xmoe-serve-gpu/server-*.log "$out/" 2>/dev/null
+# the profiled decode steps' traces, for where the step's time outside the kernels goes
+[ -d /tmp/xmoe-serve-gpu ] && tar -czf "$out/traces.tgz" -C /tmp/xmoe-serve-gpu $(cd /tmp/xmoe-serve-gpu && ls -d trace-*) 2>/dev/null
 
 soak= soak_s=${SOAK:-600}
 if [ "$soak_s" -gt 0 ]; then
@@ -43,13 +46,14 @@ stamp "test_serve_gpu rc=$?"
 if [ -n "$soak" ]; then
     wait $soak
     stamp "soak rc=$?"
-    cp /tmp/xmoe-soak/server-*.log "$out/" 2>/dev/null
+    for f in /tmp/xmoe-soak/server-*.log; do cp "$f" "$out/soak-$(basename "$f")"; done 2>/dev/null
 fi
 
 for tree in . "$old" . "$old"; do
     [ -n "$tree" ] || continue
-    name=$(git -C "$tree" rev-parse --short HEAD 2>/dev/null) ||
-        name=$([ "$tree" = . ] && echo "${XMOE_COMMIT:-head}" || basename "$tree")
+    if [ "$tree" = . ] && [ -n "${XMOE_COMMIT:-}" ]; then name=$XMOE_COMMIT
+    else name=$(git -C "$tree" rev-parse --short HEAD 2>/dev/null) || name=$([ "$tree" = . ] && echo head || basename "$tree")
+    fi
     (cd "$tree" && PYTHONPATH=$PWD timeout 600 python3 benchmarks/moe_kernel.py --no-stock --tokens 1 6 12 48 1542 \
         --json "$out/moe_kernel_${name}_$(date +%s).json" >> "$out/moe_kernel_$name.log" 2>&1)
     stamp "moe_kernel $name rc=$?"
