@@ -26,5 +26,8 @@ def test_a_soak_alone_gives_its_own_table_and_no_empty_speed_rows():
     row = {"variant": "exl3-4", "layers": 4, "tensor_bytes": {"total": 2 ** 33}, "loaded_gib": 8.1,
            "soak": {"clients": 16, "seconds": 600.2, "requests": 900, "errors": 0, "output_tok_per_s": 1234.5}}
     lines = results_table.serve_tables([{"rows": [row], "commit": "abc1234", "date": "2026-12-07", "file": "x"}])
-    assert "| exl3-4 | 16 | 600 | 900 | 0 | 1,234 | abc1234 (2026-12-07) |" in lines
+    assert "| exl3-4 | 16 | 600 | 900 | 0 | - | 1,234 | abc1234 (2026-12-07) |" in lines  # no empty count: "-"
+    row["soak"]["empty"] = 2
+    lines = results_table.serve_tables([{"rows": [row], "commit": "abc1234", "date": "2026-12-07", "file": "x"}])
+    assert "| exl3-4 | 16 | 600 | 900 | 0 | 2 | 1,234 | abc1234 (2026-12-07) |" in lines
     assert not any(line.startswith("| exl3-4 | - | - | - |") for line in lines)  # untimed: no speed row
