@@ -17,12 +17,14 @@ class _ToVllm(logging.Handler):
 
 def share_vllm_logging() -> None:
     """xmoe's log records (the kernels' warm-up, the loader) go where vLLM's own go, at INFO: Python's default
-    would show warnings only, and a user waiting on start-up should see what it is doing."""
+    would show warnings only, and a user waiting on start-up should see what it is doing. A logger that has
+    handlers or a level already (set by the user, or by an earlier call) is left as it is."""
     ours = logging.getLogger("xmoe")
-    if not any(isinstance(h, _ToVllm) for h in ours.handlers):
-        ours.addHandler(_ToVllm())
-        ours.setLevel(logging.INFO)
-        ours.propagate = False
+    if ours.handlers or ours.level != logging.NOTSET:
+        return
+    ours.addHandler(_ToVllm())
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
 
 
 def register() -> None:
